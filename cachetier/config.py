@@ -1,0 +1,243 @@
+"""Model and cache geometry: the two specs every other package derives its sizes from.
+
+`ModelSpec` says what the model's caches look like (groups, heads, dims, dtypes, tensor parallelism);
+`CacheSpec` says how tokens are grouped for hashing and for allocation. `PageGeometry` is derived
+from both: the one page size in bytes that KDA state pages and MLA KV pages share, and how much of
+each page type is padding. Invalid combinations fail at construction with a `ConfigError` that names
+the offending field, so a bad TOML file or CLI flag never reaches Redis or a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; `field` names it as `section.key`."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _positive(section: str, spec: object, *keys: str) -> None:
+    for key in keys:
+        value = getattr(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{section}.{key}", f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The cache-relevant shape of a hybrid KDA + MLA model.
+
+    Layers are organised in cache groups of `layers_per_group` layers each. Every group, KDA or MLA,
+    has the same number of layers, so that one page id addresses one page per *layer slot* in every
+    group and all groups can share a single free list (vLLM's hybrid allocator makes the same choice).
+    """
+
+    name: str = "tiny"
+    kda_groups: int = 3
+    mla_groups: int = 1
+    layers_per_group: int = 2
+    kda_heads: int = 4
+    kda_head_k_dim: int = 16
+    kda_head_v_dim: int = 16
+    kda_state_dtype: str = "float32"
+    mla_latent_dim: int = 16
+    mla_dtype: str = "float32"
+    tp_degree: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "mla_groups", "layers_per_group", "kda_heads", "kda_head_k_dim",
+                  "kda_head_v_dim", "mla_latent_dim", "tp_degree")
+        if self.kda_groups < 0:
+            raise ConfigError("model.kda_groups", "must be >= 0 (0 means a full-attention model)")
+        for key in ("kda_state_dtype", "mla_dtype"):
+            if getattr(self, key) not in DTYPE_BYTES:
+                raise ConfigError(f"model.{key}", f"unknown dtype {getattr(self, key)!r}; "
+                                  f"expected one of {sorted(DTYPE_BYTES)}")
+        if self.kda_heads % self.tp_degree:
+            raise ConfigError("model.tp_degree", f"{self.kda_heads} KDA heads do not split evenly "
+                              f"over tp_degree={self.tp_degree}")
+
+    @property
+    def kda_layers(self) -> int:
+        return self.kda_groups * self.layers_per_group
+
+    @property
+    def mla_layers(self) -> int:
+        return self.mla_groups * self.layers_per_group
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.kda_heads // self.tp_degree
+
+    @property
+    def kda_head_bytes(self) -> int:
+        """Bytes of one head's [K, V] state: the unit of transfer between nodes."""
+        return self.kda_head_k_dim * self.kda_head_v_dim * DTYPE_BYTES[self.kda_state_dtype]
+
+    @property
+    def kda_rank_layer_bytes(self) -> int:
+        """Bytes of one layer's state on one tensor-parallel rank (its heads, head by head)."""
+        return self.heads_per_rank * self.kda_head_bytes
+
+    @property
+    def mla_token_bytes(self) -> int:
+        """Bytes of one token's latent in one layer (replicated on every rank)."""
+        return self.mla_latent_dim * DTYPE_BYTES[self.mla_dtype]
+
+    @property
+    def checkpoint_bytes_unpadded(self) -> int:
+        """The full KDA state of one request over all ranks: what the seed calls ~217 MB for Kimi K3."""
+        return self.kda_layers * self.kda_heads * self.kda_head_bytes
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Token granularities: hash blocks (the prefix-hash unit) inside physical pages (allocation)."""
+
+    hash_block_tokens: int = 16
+    page_tokens: int = 64
+    page_alignment: int = 512
+    num_pages: int = 256
+    max_batch: int = 256
+    hash_algo: str = "xxh3_128"
+
+    def __post_init__(self) -> None:
+        _positive("cache", self, "hash_block_tokens", "page_tokens", "page_alignment", "num_pages",
+                  "max_batch")
+        if self.page_tokens % self.hash_block_tokens:
+            raise ConfigError("cache.page_tokens", f"{self.page_tokens} is not a multiple of "
+                              f"hash_block_tokens={self.hash_block_tokens}")
+        if self.page_alignment & (self.page_alignment - 1):
+            raise ConfigError("cache.page_alignment", "must be a power of two")
+        if self.hash_algo not in ("xxh3_128", "sha256"):
+            raise ConfigError("cache.hash_algo", f"unknown {self.hash_algo!r}; "
+                              "expected 'xxh3_128' or 'sha256'")
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.page_tokens // self.hash_block_tokens
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """The unified page: one size in bytes for both page types, per layer slot."""
+
+    page_bytes: int
+    layer_slots: int
+    mla_page_bytes: int
+    kda_page_bytes: int
+    mla_token_bytes: int
+
+    @property
+    def mla_padding_fraction(self) -> float:
+        return 1.0 - self.mla_page_bytes / self.page_bytes
+
+    @property
+    def kda_padding_fraction(self) -> float:
+        return 1.0 - self.kda_page_bytes / self.page_bytes
+
+    @property
+    def page_id_bytes(self) -> int:
+        """Bytes one page id holds over all layer slots (what the pool spends per allocation)."""
+        return self.page_bytes * self.layer_slots
+
+
+def page_geometry(model: ModelSpec, cache: CacheSpec) -> PageGeometry:
+    mla_page = cache.page_tokens * model.mla_token_bytes
+    kda_page = model.kda_rank_layer_bytes if model.kda_groups else 0
+    raw = max(mla_page, kda_page)
+    aligned = -(-raw // cache.page_alignment) * cache.page_alignment
+    return PageGeometry(page_bytes=aligned, layer_slots=model.layers_per_group,
+                        mla_page_bytes=mla_page, kda_page_bytes=kda_page,
+                        mla_token_bytes=model.mla_token_bytes)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSpec
+    cache: CacheSpec
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return page_geometry(self.model, self.cache)
+
+    def describe(self) -> dict[str, Any]:
+        geo = self.geometry
+        return {
+            "model": dataclasses.asdict(self.model),
+            "cache": dataclasses.asdict(self.cache),
+            "page_bytes": geo.page_bytes,
+            "layer_slots": geo.layer_slots,
+            "mla_page_bytes": geo.mla_page_bytes,
+            "kda_page_bytes": geo.kda_page_bytes,
+            "mla_padding_fraction": round(geo.mla_padding_fraction, 4),
+            "kda_padding_fraction": round(geo.kda_padding_fraction, 4),
+            "checkpoint_bytes_unpadded": self.model.checkpoint_bytes_unpadded,
+            "checkpoint_bytes_pooled": self.model.kda_groups * geo.page_id_bytes,
+        }
+
+
+PRESETS: dict[str, Config] = {
+    # The seed's Kimi K3 figures: 69 KDA layers in 3 groups, 96 heads of 128x128 bf16 states;
+    # 23 MLA layers with a 512 + 64 latent per token; 512-token hash blocks in 6,144-token pages.
+    "kimi-k3": Config(
+        ModelSpec(name="kimi-k3", kda_groups=3, mla_groups=1, layers_per_group=23, kda_heads=96,
+                  kda_head_k_dim=128, kda_head_v_dim=128, kda_state_dtype="bfloat16",
+                  mla_latent_dim=576, mla_dtype="bfloat16", tp_degree=1),
+        CacheSpec(hash_block_tokens=512, page_tokens=6144, page_alignment=4096, num_pages=4096),
+    ),
+    # Small enough for CPU tests and Triton's interpreter; still 3 KDA groups (sibling invalidation)
+    # and an MLA page of exactly one KDA layer state (4 heads x 16 x 16 fp32 = 64 tokens x 16 fp32).
+    "tiny": Config(ModelSpec(), CacheSpec()),
+}
+
+
+def load_config(preset: str = "tiny", toml_path: str | Path | None = None,
+                overrides: Mapping[str, str] | None = None) -> Config:
+    """Preset, then a TOML file's `[model]`/`[cache]` tables, then `section.key=value` overrides."""
+    if preset not in PRESETS:
+        raise ConfigError("preset", f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    base = PRESETS[preset]
+    model = dataclasses.asdict(base.model)
+    cache = dataclasses.asdict(base.cache)
+    sections = {"model": model, "cache": cache}
+    if toml_path is not None:
+        with open(toml_path, "rb") as f:
+            data = tomllib.load(f)
+        for name, table in data.items():
+            if name not in sections:
+                raise ConfigError(name, f"unknown section; expected one of {sorted(sections)}")
+            for key, value in table.items():
+                _assign(sections, f"{name}.{key}", value)
+    for dotted, text in (overrides or {}).items():
+        _assign(sections, dotted, _parse_scalar(text))
+    return Config(ModelSpec(**model), CacheSpec(**cache))
+
+
+def _assign(sections: dict[str, dict[str, Any]], dotted: str, value: Any) -> None:
+    name, _, key = dotted.partition(".")
+    if name not in sections or key not in sections[name]:
+        raise ConfigError(dotted, "unknown field")
+    expected = type(sections[name][key])
+    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(dotted, f"expected an integer, got {value!r}")
+    if expected is str and not isinstance(value, str):
+        raise ConfigError(dotted, f"expected a string, got {value!r}")
+    sections[name][key] = value
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        return text
