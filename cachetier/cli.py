@@ -1,0 +1,155 @@
+"""The `cachetier` command: `config show` and the benchmarks.
+
+Bench modules (`cachetier.bench.<name>`) are imported only when their command runs, so `config show`
+stays fast and the CLI keeps working while a benchmark is missing or broken. A bench module provides
+`add_arguments(parser)` (its own flags; it may call `add_config_arguments`) and `run(args) -> dict`,
+sync or async; the CLI owns `--json` and the printing of the result's `cases`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import json
+import sys
+import tomllib
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from cachetier.config import PRESETS, Config, ConfigError, load_config
+
+BENCHES = ("lookup", "restore")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that select a configuration: a preset, then a TOML file, then single overrides."""
+    parser.add_argument("--preset", default="tiny",
+                        help=f"starting configuration: one of {', '.join(sorted(PRESETS))}")
+    parser.add_argument("--config", metavar="FILE.toml",
+                        help="TOML file whose [model]/[cache] tables override the preset")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        type=_parse_override, metavar="SECTION.KEY=VALUE",
+                        help="override one field, e.g. cache.page_tokens=6144 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The configuration the flags of `add_config_arguments` describe; every failure a ConfigError."""
+    try:
+        return load_config(args.preset, args.config, dict(args.overrides))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--config", str(exc)) from exc
+
+
+def _parse_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def _config_show(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    described = config_from_args(args).describe()
+    print(json.dumps(described, indent=2) if args.json else format_config(described))
+    return 0
+
+
+def format_config(described: dict[str, Any]) -> str:
+    """`Config.describe()` as TOML: loadable again with --config; derived sizes as comments."""
+    lines: list[str] = []
+    for section in ("model", "cache"):
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in described[section].items()]
+        lines.append("")
+    lines.append("# derived")
+    lines += [f"# {key} = {_toml_value(value)}" for key, value in described.items()
+              if not isinstance(value, dict)]
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    name = args.bench
+    try:
+        module = _import_bench(name)
+    except LookupError as exc:
+        print(f"cachetier: {exc}", file=sys.stderr)
+        return 1
+    parser = argparse.ArgumentParser(prog=f"cachetier bench {name}", description=module.__doc__)
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    module.add_arguments(parser)
+    bench_args = parser.parse_args(rest)
+    if inspect.iscoroutinefunction(module.run):
+        result = asyncio.run(module.run(bench_args))
+    else:
+        result = module.run(bench_args)
+    print(json.dumps(result) if bench_args.json else format_cases(result))
+    return 0
+
+
+def _import_bench(name: str) -> ModuleType:
+    """The bench module, or a LookupError saying it is missing (its own broken imports propagate)."""
+    module_name = f"cachetier.bench.{name}"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (module_name, "cachetier.bench"):
+            raise
+        raise LookupError(f"bench {name} is not available: module {module_name} is missing") from exc
+
+
+def format_cases(result: dict[str, Any]) -> str:
+    """A bench result as a table of its `cases`, preceded by any other top-level fields."""
+    header = [f"{key}: {value}" for key, value in result.items() if key != "cases"]
+    cases = result.get("cases", [])
+    columns = list(dict.fromkeys(key for case in cases for key in case))
+    rows = [columns] + [[_cell(case.get(key, "")) for key in columns] for case in cases]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    table = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    return "\n".join(header + table) if cases else "\n".join(header)
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command tree; bench flags are parsed later, by the bench module's own parser."""
+    parser = argparse.ArgumentParser(prog="cachetier", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    config = commands.add_parser("config", help="inspect the configuration")
+    config_commands = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = config_commands.add_parser("show", help="print the configuration and derived page sizes")
+    add_config_arguments(show)
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    show.set_defaults(handler=_config_show)
+    bench = commands.add_parser("bench", help="run a benchmark")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name in BENCHES:
+        benches.add_parser(name, add_help=False, help=f"`cachetier bench {name} --help` for flags")
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status (2 for a bad configuration)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.handler is not _bench:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return int(args.handler(args, rest))
+    except ConfigError as exc:
+        print(f"cachetier: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

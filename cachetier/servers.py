@@ -1,0 +1,240 @@
+"""Private, throwaway `redis-server` and `mosquitto` processes for tests, benchmarks and `cachetier up`.
+
+Each server is a child process with its own temporary directory and nothing persisted, so runs never
+see each other's state. It is always stopped: on leaving its `with` block (KeyboardInterrupt
+included), and, on Linux, by a parent-death signal if this process is killed outright, so no run
+leaves an orphan holding a port. Start it from the thread that owns it: the parent-death signal fires
+when the *starting thread* exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+LOOPBACK = "127.0.0.1"
+_STOP_TIMEOUT_S = 5.0
+_LOG_TAIL_BYTES = 4000
+_SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin")  # mosquitto lives here; a non-root PATH may lack them
+
+
+def find_binary(name: str) -> str:
+    """`name` resolved on PATH plus the sbin directories; `name` itself when nowhere to be found."""
+    search = os.pathsep.join([os.environ.get("PATH", ""), *_SBIN_DIRS])
+    return shutil.which(name, path=search) or name
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _parent_death_hook() -> Any:
+    """A preexec_fn that makes the child receive SIGTERM when its parent dies (Linux only).
+
+    `prctl` is looked up here, before the fork, so the child runs no dynamic loading.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, a bounded wait, then SIGKILL; reaps the child even if interrupted meanwhile."""
+    try:
+        proc.terminate()
+        proc.wait(timeout=_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass(kw_only=True)
+class _ChildServer:
+    """Start/readiness/stop shared by the servers; subclasses say how to run and how to probe."""
+
+    name: ClassVar[str]
+    install_hint: ClassVar[str]
+    startup_timeout_s: float = 10.0
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    _workdir: Path | None = field(default=None, init=False, repr=False)
+    _command_line: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def _command(self, workdir: Path) -> list[str]:
+        raise NotImplementedError
+
+    def _answers(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self._proc.pid
+
+    @property
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self._workdir
+
+    def start(self) -> Self:
+        """Spawn the server and return once it answers; on any failure nothing is left running."""
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name} is already running (pid {self._proc.pid})")
+        self._workdir = Path(tempfile.mkdtemp(prefix=f"cachetier-{self.name}-"))
+        try:
+            self._spawn()
+            self._wait_until_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the process (idempotent) and delete its directory."""
+        proc, self._proc = self._proc, None
+        try:
+            if proc is not None:
+                _terminate(proc)
+        finally:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir = None
+
+    def _spawn(self) -> None:
+        workdir = self.workdir
+        self._command_line = self._command(workdir)
+        with open(workdir / "server.log", "wb") as log:
+            try:
+                self._proc = subprocess.Popen(
+                    self._command_line, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
+                    preexec_fn=_parent_death_hook())
+            except OSError as exc:
+                raise RuntimeError(f"cannot run `{shlex.join(self._command_line)}`: {exc} "
+                                   f"({self.install_hint})") from exc
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._answers():
+            assert self._proc is not None
+            code = self._proc.poll()
+            if code is not None:
+                raise self._failure(f"exited with code {code}")
+            if time.monotonic() > deadline:
+                raise self._failure(f"did not answer within {self.startup_timeout_s:g} s")
+            time.sleep(0.01)
+
+    def _failure(self, reason: str) -> RuntimeError:
+        log = (self.workdir / "server.log").read_bytes()[-_LOG_TAIL_BYTES:]
+        tail = log.decode(errors="replace").strip() or "(empty)"
+        return RuntimeError(f"`{shlex.join(self._command_line)}` {reason}; log tail:\n{tail}")
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        """Starts synchronously (tens of ms), so the starting thread is the event loop's."""
+        return self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@dataclass(kw_only=True)
+class RedisServer(_ChildServer):
+    """A redis-server with persistence off, on a unix socket (default) or a loopback TCP port."""
+
+    name: ClassVar[str] = "redis"
+    install_hint: ClassVar[str] = "install it with `apt-get install redis-server` or run bin/setup"
+    binary: str = field(default_factory=lambda: find_binary("redis-server"))
+    tcp: bool = False
+    port: int = 0  # with tcp: 0 picks a free port at start
+
+    @property
+    def socket_path(self) -> Path:
+        return self.workdir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        """The URL redis-py's `from_url` takes: redis://127.0.0.1:PORT or unix:///…/redis.sock."""
+        return f"redis://{LOOPBACK}:{self.port}" if self.tcp else f"unix://{self.socket_path}"
+
+    def _command(self, workdir: Path) -> list[str]:
+        if self.tcp:
+            self.port = self.port or free_port()
+            listen = ["--port", str(self.port), "--bind", LOOPBACK]
+        else:
+            listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        return [self.binary, *listen, "--save", "", "--appendonly", "no", "--dir", str(workdir),
+                "--daemonize", "no", "--logfile", ""]
+
+    def _connect(self) -> socket.socket:
+        if self.tcp:
+            return socket.create_connection((LOOPBACK, self.port), timeout=1.0)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(self.socket_path))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _answers(self) -> bool:
+        try:
+            with self._connect() as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+@dataclass(kw_only=True)
+class MosquittoServer(_ChildServer):
+    """A mosquitto MQTT broker on a loopback port, anonymous, nothing persisted."""
+
+    name: ClassVar[str] = "mosquitto"
+    install_hint: ClassVar[str] = "install it with `apt-get install mosquitto` or run bin/setup"
+    binary: str = field(default_factory=lambda: find_binary("mosquitto"))
+    port: int = 0  # 0 picks a free port at start
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{LOOPBACK}:{self.port}"
+
+    def _command(self, workdir: Path) -> list[str]:
+        self.port = self.port or free_port()
+        config = workdir / "mosquitto.conf"
+        config.write_text(f"listener {self.port} {LOOPBACK}\nallow_anonymous true\n"
+                          "persistence false\nlog_dest stderr\n")
+        return [self.binary, "-c", str(config)]
+
+    def _answers(self) -> bool:
+        try:
+            socket.create_connection((LOOPBACK, self.port), timeout=1.0).close()
+        except OSError:
+            return False
+        return True

@@ -1,0 +1,137 @@
+"""Where every byte of a page lives, derived from `ModelSpec` and `CacheSpec` only.
+
+The pool buffer is `[layer_slots, num_pages, page_bytes]` bytes. A page id addresses one page per layer
+slot; the page belongs to one cache group, whose layer `i` uses slot `i`. Inside one slot:
+
+- an MLA page is token-major `[page_tokens, latent]`, so the first `T` tokens are the byte prefix
+  `[0, T * mla_token_bytes)`: a copy-on-write of a partially matched page is one prefix copy;
+- a KDA page is head-major: this rank's heads one after the other, each head's `[K, V]` state stored
+  value-major (`[V, K]`, the order vLLM's gated-delta-net state uses), so each head's byte stream is
+  self-contained (the unit of transfer and re-sharding).
+
+The two layouts deliberately disagree: a KDA state read as MLA tokens (or the reverse) comes out
+transposed inside each head, not as a plausible reshape of the right data.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from cachetier.config import DTYPE_BYTES, CacheSpec, ModelSpec, PageGeometry, page_geometry
+
+
+class PageKind(enum.IntEnum):
+    """What a page currently holds; stored as one byte per page in the pool's tag array."""
+
+    UNTAGGED = 0
+    MLA = 1
+    KDA = 2
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """A half-open byte range `[offset, offset + size)`."""
+
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+    def overlaps(self, other: ByteRange) -> bool:
+        return self.offset < other.end and other.offset < self.end
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for one of `config.DTYPE_BYTES`'s names."""
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The byte layout of one tensor-parallel rank's pool (the rank only picks which heads it holds)."""
+
+    model: ModelSpec
+    cache: CacheSpec
+    geometry: PageGeometry
+
+    @classmethod
+    def from_specs(cls, model: ModelSpec, cache: CacheSpec) -> PageLayout:
+        layout = cls(model, cache, page_geometry(model, cache))
+        for name in (model.mla_dtype, model.kda_state_dtype):
+            if layout.page_bytes % DTYPE_BYTES[name]:
+                raise ValueError(f"page_bytes={layout.page_bytes} is not a multiple of the {name} "
+                                 "element size: typed views of later pages would be misaligned")
+        return layout
+
+    @property
+    def layer_slots(self) -> int:
+        return self.geometry.layer_slots
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache.num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.geometry.page_bytes
+
+    @property
+    def buffer_shape(self) -> tuple[int, int, int]:
+        return (self.layer_slots, self.num_pages, self.page_bytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.layer_slots * self.num_pages * self.page_bytes
+
+    @property
+    def mla_dtype(self) -> torch.dtype:
+        return torch_dtype(self.model.mla_dtype)
+
+    @property
+    def kda_dtype(self) -> torch.dtype:
+        return torch_dtype(self.model.kda_state_dtype)
+
+    @property
+    def head_bytes(self) -> int:
+        return self.model.kda_head_bytes
+
+    def rank_heads(self, rank: int) -> range:
+        """Global ids of the KDA heads that `rank` holds, in storage order."""
+        if not 0 <= rank < self.model.tp_degree:
+            raise ValueError(f"rank {rank} out of range for tp_degree={self.model.tp_degree}")
+        per_rank = self.model.heads_per_rank
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
+    def kda_head_range(self, head: int, rank: int = 0) -> ByteRange:
+        """Bytes of global head `head`'s stream inside one layer slot of a KDA page of `rank`."""
+        heads = self.rank_heads(rank)
+        if head not in heads:
+            raise ValueError(f"head {head} is not on rank {rank} (holds heads "
+                             f"[{heads.start}, {heads.stop}))")
+        return ByteRange((head - heads.start) * self.head_bytes, self.head_bytes)
+
+    def mla_token_range(self, start: int, stop: int) -> ByteRange:
+        """Bytes of tokens `[start, stop)` inside one layer slot of an MLA page."""
+        if not 0 <= start <= stop <= self.cache.page_tokens:
+            raise ValueError(f"token range [{start}, {stop}) outside a "
+                             f"{self.cache.page_tokens}-token page")
+        token_bytes = self.model.mla_token_bytes
+        return ByteRange(start * token_bytes, (stop - start) * token_bytes)
+
+    def buffer_range(self, page: int, slot: int, within: ByteRange) -> ByteRange:
+        """Where `within` (a range inside one slot of `page`) lies in the flat pool buffer."""
+        self.check_page(page)
+        if not 0 <= slot < self.layer_slots:
+            raise ValueError(f"layer slot {slot} out of range [0, {self.layer_slots})")
+        if within.offset < 0 or within.end > self.page_bytes:
+            raise ValueError(f"{within} does not fit in a {self.page_bytes}-byte page")
+        return ByteRange((slot * self.num_pages + page) * self.page_bytes + within.offset, within.size)
+
+    def check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} out of range [0, {self.num_pages})")

@@ -1,0 +1,154 @@
+-- commit.lua - register what a step's forward pass computed: MLA endpoints and one checkpoint.
+--
+-- KEYS   - the pool's keys, see lib.lua
+-- ARGV[1] - epoch
+-- ARGV[2] - msgpack list of {rid = str, stop = tokens now processed (start < stop <= planned stop),
+--           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
+--           (a multiple of the hash block inside (start, stop]) or 0, turn_end = 0|1}
+-- returns msgpack {ticket, requests = {{rid, endpoints, ckpt}}, removed = {...}}
+--
+-- Everything registered here is pending (never matched) until `confirm(ticket)` (invariant 2).
+-- First writer wins: a hash already registered elsewhere is left alone, since both pages hold the
+-- same prefix. A page is only hung under a parent that is ready or pending for this same request,
+-- which keeps readiness prefix-closed along every chain (a ready page has ready ancestors); a
+-- checkpoint is only anchored on an endpoint that is ready or this request's own, so rolling back a
+-- released request's pending endpoints never strands another request's checkpoint.
+
+local m = load_meta(ARGV[1])
+local batch = unpack_arg(ARGV[2], "batch")
+local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
+if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
+
+local reqs, seen = {}, {}
+for n, item in ipairs(batch) do
+  if type(item) ~= "table" or type(item.rid) ~= "string" then fail("BADINPUT", "each commit needs a string rid") end
+  if seen[item.rid] then fail("BADINPUT", "request " .. item.rid .. " appears twice in the commit") end
+  seen[item.rid] = true
+  local r = get_req(item.rid)
+  if r == nil then fail("UNKNOWN", "unknown request " .. item.rid .. " (released, or the pool was invalidated)") end
+  if r.stop == r.pos then fail("BADINPUT", item.rid .. ": no planned step to commit") end
+  if not is_int(item.stop, r.pos + 1, r.stop) then
+    fail("BADINPUT", item.rid .. ": stop must be an integer in (" .. r.pos .. ", " .. r.stop .. "]")
+  end
+  local c = item.ckpt_tokens
+  if not is_int(c, 0) then fail("BADINPUT", item.rid .. ": ckpt_tokens must be an integer >= 0") end
+  if c > 0 then
+    if c % B ~= 0 then fail("BADINPUT", item.rid .. ": ckpt_tokens " .. c .. " is not on a " .. B .. "-token hash block boundary") end
+    if c <= r.pos or c > item.stop then fail("BADINPUT", item.rid .. ": ckpt_tokens must lie in (" .. r.pos .. ", " .. item.stop .. "]") end
+    if r.ck < 0 then fail("BADINPUT", item.rid .. ": no checkpoint pages were planned for this step") end
+  end
+  if item.turn_end ~= 0 and item.turn_end ~= 1 then fail("BADINPUT", item.rid .. ": turn_end must be 0 or 1") end
+  reqs[n] = r
+end
+
+local ticket = m.ticket + 1
+local removed = {}
+
+-- Hang an owned page under its chain: the parent is whatever page holds the previous page-end.
+local function attach(rid, rec, slot, blob)
+  local path, par = {}, -1
+  if slot > 0 then
+    local e = get_ep(block_hash(blob, HL, slot * PB))
+    if e == nil then return false end
+    local parent = get_rec(e[1])
+    if parent.rf < PB and parent.owner ~= rid then return false end
+    for _, id in ipairs(parent.path) do path[#path + 1] = id end
+    path[#path + 1] = e[1]
+    par = e[1]
+    parent.kids = parent.kids + 1
+    save_lead(m, e[1], parent)
+  end
+  rec.path, rec.par = path, par
+  rec.st, rec.depth, rec.eps, rec.cks, rec.rf, rec.fill = "pending", (slot + 1) * PB * B, {}, {}, 0, 0
+  return true
+end
+
+local function register_endpoints(rid, r, blob, upto, fills)
+  local count = 0
+  for i = r.reg + 1, upto do
+    local h = block_hash(blob, HL, i)
+    if redis.call("HEXISTS", K_EP, h) == 0 then
+      local slot = math.floor((i - 1) / PB)
+      local lead = r.mla[slot + 1]
+      local rec = get_rec(lead)
+      if rec.st == "private" and not attach(rid, rec, slot, blob) then return count end
+      rec.fill = i - slot * PB
+      rec.eps[#rec.eps + 1] = {h, rec.fill}
+      redis.call("HSET", K_EP, h, cmsgpack.pack({lead, rec.fill}))
+      save_lead(m, lead, rec)
+      fills[tostring(lead)] = rec.fill
+      count = count + 1
+    end
+    r.reg = i
+  end
+  return count
+end
+
+local function register_checkpoint(rid, r, blob, blocks, turn_end, p)
+  local h = block_hash(blob, HL, blocks)
+  local existing = redis.call("HGET", K_CK, h)
+  local e = get_ep(h)
+  if e ~= nil then
+    local z = get_rec(e[1])
+    if z.rf < e[2] and z.owner ~= rid then e = nil end
+  end
+  local ck_lead = r.ck
+  r.ck = -1
+  if existing or e == nil then
+    free_set(get_rec(ck_lead))
+    if existing and turn_end == 1 then
+      local rec = get_rec(tonumber(existing))
+      if rec.dur == 0 then
+        rec.dur = 1
+        save_lead(m, tonumber(existing), rec)
+        local anchor = get_rec(rec.anchor)
+        anchor.dur = anchor.dur + 1
+        save_lead(m, rec.anchor, anchor)
+      end
+    end
+    return existing and "duplicate" or "unanchored"
+  end
+  local rec = get_rec(ck_lead)
+  rec.st, rec.ref, rec.owner, rec.h, rec.anchor = "pending", 0, "", h, e[1]
+  rec.dur, rec.lu, rec.depth, rec.tk = turn_end, m.tick, blocks * B, ticket
+  save_lead(m, ck_lead, rec)
+  redis.call("HSET", K_CK, h, ck_lead)
+  local anchor = get_rec(e[1])
+  anchor.cks[#anchor.cks + 1] = h
+  anchor.dur = anchor.dur + turn_end
+  save_lead(m, e[1], anchor)
+  p.ck, p.ckh = ck_lead, h
+  -- Recycle this request's previous intermediate checkpoint: progress made it obsolete.
+  if r.inter ~= "" then
+    local old = redis.call("HGET", K_CK, r.inter)
+    if old then
+      local orec = get_rec(tonumber(old))
+      if orec.st == "ready" and orec.ref == 0 and orec.dur == 0 then drop_checkpoint(m, r.inter, removed) end
+    end
+  end
+  if turn_end == 1 then r.inter = "" else r.inter = h end
+  return "registered"
+end
+
+local out, rids = {}, {}
+for n, item in ipairs(batch) do
+  local r = reqs[n]
+  local blob = redis.call("HGET", K_REQH, item.rid)
+  local p = {t = ticket, fills = {}, unpin = -1, ck = -1, ckh = ""}
+  local count = register_endpoints(item.rid, r, blob, math.floor(item.stop / B), p.fills)
+  local ck_state = "none"
+  if item.ckpt_tokens > 0 then
+    ck_state = register_checkpoint(item.rid, r, blob, item.ckpt_tokens / B, item.turn_end, p)
+  elseif r.ck >= 0 then
+    free_set(get_rec(r.ck))
+    r.ck = -1
+  end
+  r.pend[#r.pend + 1] = p
+  r.pos, r.stop = item.stop, item.stop
+  put_req(item.rid, r)
+  rids[n] = item.rid
+  out[n] = {rid = item.rid, endpoints = count, ckpt = ck_state}
+end
+new_ticket(m, rids)
+save_meta(m)
+return reply({ticket = ticket, requests = out, removed = removed})

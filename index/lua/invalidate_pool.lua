@@ -1,0 +1,20 @@
+-- invalidate_pool.lua - the pool's bytes are gone (agent died or restarted): start a new epoch.
+--
+-- KEYS   - the pool's keys, see lib.lua
+-- ARGV[1] - epoch the caller saw, or "" to invalidate whatever epoch is current
+-- returns the new epoch
+--
+-- O(1) in the main thread: every per-epoch structure lives in a fixed set of keys that UNLINK
+-- hands to a background thread. From this instant nothing of the old epoch is matchable, its pins
+-- are void, and every page id is free again. An invalidation against an epoch that is already
+-- gone returns the current one without bumping it twice.
+
+local m = load_meta(nil)
+if ARGV[1] ~= "" then
+  local seen = tonumber(ARGV[1])
+  if seen == nil then fail("BADINPUT", "epoch must be an integer or empty") end
+  if seen ~= m.epoch then return m.epoch end
+end
+redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX)
+redis.call("HSET", K_META, "epoch", m.epoch + 1, "fresh", 0)
+return m.epoch + 1

@@ -1,0 +1,212 @@
+-- lib.lua - helpers shared by every cachetier script; the loader prepends this file to each one.
+--
+-- Every script receives the same KEYS, in this order (all carry the pool's hash tag):
+--   KEYS[1] meta   HASH  pool geometry, epoch, counters, eviction weights
+--   KEYS[2] pages  HASH  page id -> msgpack record (absent = free)
+--   KEYS[3] free   LIST  page ids freed in this epoch (ids >= meta.fresh were never used)
+--   KEYS[4] ep     HASH  MLA endpoint: chained hash -> msgpack {lead page id, filled hash blocks}
+--   KEYS[5] ck     HASH  checkpoint: boundary chained hash -> lead page id of its KDA page set
+--   KEYS[6] lru    ZSET  evictable lead page ids, scored by the pool's eviction weights
+--   KEYS[7] req    HASH  request id -> msgpack request record
+--   KEYS[8] reqh   HASH  request id -> its prompt's chained hashes (one blob)
+--   KEYS[9] tix    HASH  ticket -> msgpack list of request ids to confirm
+--
+-- A "page set" is one page per cache group of one kind (MLA or KDA), allocated, pinned and freed
+-- as a unit; its first page is the lead and holds the record. Non-lead pages hold {lead = id}.
+-- Errors are raised as "CT_<CODE> message" before any write, so a failed call changes nothing.
+
+local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+
+local function fail(code, msg)
+  error({err = "CT_" .. code .. " " .. msg})
+end
+
+local function unpack_arg(blob, what)
+  local ok, value = pcall(cmsgpack.unpack, blob)
+  if not ok or type(value) ~= "table" then fail("BADINPUT", what .. " is not a msgpack map or list") end
+  return value
+end
+
+local function is_int(v, lo, hi)
+  return type(v) == "number" and v == math.floor(v) and v >= lo and (hi == nil or v <= hi)
+end
+
+local function load_meta(expected_epoch)
+  local raw = redis.call("HGETALL", K_META)
+  if #raw == 0 then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
+  local m = {}
+  for i = 1, #raw, 2 do m[raw[i]] = tonumber(raw[i + 1]) end
+  if expected_epoch ~= nil then
+    local want = tonumber(expected_epoch)
+    if want == nil then fail("BADINPUT", "epoch must be an integer") end
+    if want ~= m.epoch then fail("STALE", "pool epoch is " .. m.epoch .. ", caller has " .. want) end
+  end
+  return m
+end
+
+local function get_rec(id)
+  local raw = redis.call("HGET", K_PAGES, id)
+  if not raw then return nil end
+  return cmsgpack.unpack(raw)
+end
+
+local function put_rec(id, rec)
+  redis.call("HSET", K_PAGES, id, cmsgpack.pack(rec))
+end
+
+local function get_ep(h)
+  local raw = redis.call("HGET", K_EP, h)
+  if not raw then return nil end
+  return cmsgpack.unpack(raw)
+end
+
+local function block_hash(blob, hl, i)
+  return string.sub(blob, (i - 1) * hl + 1, i * hl)
+end
+
+-- The eviction score: lower is evicted first. Mirrors eviction.policy.EvictionWeights.score.
+local function score(m, rec)
+  local bonus
+  if rec.k == "K" then
+    if rec.dur == 1 then bonus = m.w_durable else bonus = m.w_intermediate end
+  elseif rec.dur > 0 then bonus = m.w_durable
+  else bonus = m.w_mla end
+  return m.w_recency * rec.lu + bonus + m.w_depth * rec.depth / #rec.pages
+end
+
+local function evictable(rec)
+  return rec.st == "ready" and rec.ref == 0 and (rec.k == "K" or rec.kids == 0)
+end
+
+-- The single place that decides LRU membership: call after every change to a lead record.
+local function save_lead(m, id, rec)
+  put_rec(id, rec)
+  if evictable(rec) then
+    redis.call("ZADD", K_LRU, score(m, rec), id)
+  else
+    redis.call("ZREM", K_LRU, id)
+  end
+end
+
+local function free_count(m)
+  return redis.call("LLEN", K_FREE) + (m.num_pages - m.fresh)
+end
+
+local function alloc_set(m, kind, n, owner)
+  local ids = {}
+  for g = 1, n do
+    local id = redis.call("LPOP", K_FREE)
+    if id then id = tonumber(id) else
+      id = m.fresh
+      m.fresh = m.fresh + 1
+    end
+    ids[g] = id
+  end
+  for g = 2, n do put_rec(ids[g], {lead = ids[1], k = kind, g = g - 1}) end
+  put_rec(ids[1], {k = kind, g = 0, pages = ids, st = "private", ref = 1, owner = owner,
+                   lu = 0, dur = 0, depth = 0, kids = 0})
+  return ids[1], ids
+end
+
+local function free_set(rec)
+  for _, id in ipairs(rec.pages) do
+    redis.call("HDEL", K_PAGES, id)
+    redis.call("RPUSH", K_FREE, id)
+  end
+  redis.call("ZREM", K_LRU, rec.pages[1])
+end
+
+local function remove_from(list, value)
+  for i = #list, 1, -1 do
+    if list[i] == value then table.remove(list, i) end
+  end
+end
+
+-- Invariant 3: a checkpoint leaves every KDA group at once; its sibling pages are freed together.
+local function drop_checkpoint(m, h, removed)
+  local lead = tonumber(redis.call("HGET", K_CK, h))
+  local rec = get_rec(lead)
+  if rec.ref > 0 then error("CT_CORRUPT pinned checkpoint dropped at page " .. lead) end
+  redis.call("HDEL", K_CK, h)
+  local anchor = get_rec(rec.anchor)
+  if anchor then
+    remove_from(anchor.cks, h)
+    if rec.dur == 1 then anchor.dur = anchor.dur - 1 end
+    save_lead(m, rec.anchor, anchor)
+  end
+  free_set(rec)
+  removed[#removed + 1] = {"ck", h}
+end
+
+-- Leaf-first: only an MLA page without registered children is evicted; its parent may then become
+-- a leaf, inheriting the child's recency so a hot chain is not cut at its root first.
+local function drop_mla(m, id, rec, removed)
+  while #rec.cks > 0 do drop_checkpoint(m, rec.cks[#rec.cks], removed) ; rec = get_rec(id) end
+  for _, e in ipairs(rec.eps) do
+    redis.call("HDEL", K_EP, e[1])
+    removed[#removed + 1] = {"ep", e[1]}
+  end
+  if rec.par >= 0 then
+    local parent = get_rec(rec.par)
+    parent.kids = parent.kids - 1
+    if rec.lu > parent.lu then parent.lu = rec.lu end
+    save_lead(m, rec.par, parent)
+  end
+  free_set(rec)
+end
+
+local function evict_one(m, removed)
+  local top = redis.call("ZRANGE", K_LRU, 0, 0)
+  if #top == 0 then return false end
+  local id = tonumber(top[1])
+  local rec = get_rec(id)
+  if rec.k == "K" then drop_checkpoint(m, rec.h, removed) else drop_mla(m, id, rec, removed) end
+  return true
+end
+
+local function save_meta(m)
+  redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket)
+end
+
+local function pin(m, id)
+  local rec = get_rec(id)
+  rec.ref = rec.ref + 1
+  save_lead(m, id, rec)
+end
+
+local function unpin(m, id)
+  local rec = get_rec(id)
+  if rec == nil or rec.ref < 1 then error("CT_CORRUPT unpin of unpinned page " .. id) end
+  rec.ref = rec.ref - 1
+  rec.lu = m.tick
+  save_lead(m, id, rec)
+end
+
+local function new_ticket(m, rids)
+  m.ticket = m.ticket + 1
+  redis.call("HSET", K_TIX, m.ticket, cmsgpack.pack(rids))
+  return m.ticket
+end
+
+local function get_req(rid)
+  local raw = redis.call("HGET", K_REQ, rid)
+  if not raw then return nil end
+  return cmsgpack.unpack(raw)
+end
+
+local function put_req(rid, r)
+  redis.call("HSET", K_REQ, rid, cmsgpack.pack(r))
+end
+
+-- A commit's pending checkpoint may have been dropped since (its anchor page evicted): only the
+-- record registered by that very ticket under that hash is the one the item speaks of.
+local function pending_checkpoint(item)
+  if item.ck < 0 or redis.call("HGET", K_CK, item.ckh) ~= tostring(item.ck) then return false end
+  local rec = get_rec(item.ck)
+  return rec.st == "pending" and rec.tk == item.t
+end
+
+local function reply(result)
+  return cmsgpack.pack(result)
+end

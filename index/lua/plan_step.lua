@@ -1,0 +1,190 @@
+-- plan_step.lua - lookup + pin + allocate for a whole scheduling step, atomically.
+--
+-- KEYS   - the pool's keys, see lib.lua
+-- ARGV[1] - epoch the caller planned against
+-- ARGV[2] - msgpack list of requests: {rid = str, tokens = prompt length (new only),
+--           hashes = chained hashes of every complete hash block (new only), compute = tokens to
+--           compute this step, ckpt = 0|1 (persist a checkpoint when crossing a hash block)}
+--           A request id already active continues its prefill; an unknown one is looked up.
+-- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, start, stop, mla, state, ckpt,
+--           ckpt_tokens, copies}}, evicted = n} or {ok = 0, reason, need, available}
+--
+-- Order matters (DESIGN.md invariant 1): every hit of the step is pinned before the first
+-- eviction or allocation, so allocating for one request can never evict what another just hit.
+
+local epoch_arg, batch_blob = ARGV[1], ARGV[2]
+local m = load_meta(epoch_arg)
+local batch = unpack_arg(batch_blob, "batch")
+local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
+local PT = B * PB
+if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
+
+-- Readiness of the endpoint for chained hash h: its page has confirmed at least `fill` blocks.
+local function matchable(h)
+  local e = get_ep(h)
+  if e == nil then return nil end
+  local rec = get_rec(e[1])
+  if rec.rf >= e[2] then return e end
+  return nil
+end
+
+-- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
+-- endpoints inside the first missing page. Returns the deepest matchable block count.
+local function mla_match(blob, usable)
+  local lo, hi = 0, math.floor(usable / PB)
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if matchable(block_hash(blob, HL, mid * PB)) then lo = mid else hi = mid - 1 end
+  end
+  for f = math.min(PB - 1, usable - lo * PB), 1, -1 do
+    if matchable(block_hash(blob, HL, lo * PB + f)) then return lo * PB + f end
+  end
+  return lo * PB
+end
+
+-- Stage 2: the deepest boundary <= depth with a ready checkpoint in every KDA group (one record
+-- holds them all), probing one page's worth of boundaries per call, deepest page first.
+local function kda_match(blob, depth)
+  if m.kda_groups == 0 then return depth, -1 end
+  local slot = math.floor((depth - 1) / PB)
+  while slot >= 0 do
+    local first, last = slot * PB + 1, math.min(depth, (slot + 1) * PB)
+    local fields = {}
+    for i = last, first, -1 do fields[#fields + 1] = block_hash(blob, HL, i) end
+    local leads = redis.call("HMGET", K_CK, unpack(fields))
+    for j, lead in ipairs(leads) do
+      if lead then
+        local rec = get_rec(tonumber(lead))
+        if rec.st == "ready" and matchable(fields[j]) then return last - j + 1, tonumber(lead) end
+      end
+    end
+    slot = slot - 1
+  end
+  return 0, -1
+end
+
+local function check_request(item, seen)
+  if type(item) ~= "table" or type(item.rid) ~= "string" or #item.rid == 0 then
+    fail("BADINPUT", "each request needs a non-empty string rid")
+  end
+  if seen[item.rid] then fail("BADINPUT", "request " .. item.rid .. " appears twice in the step") end
+  seen[item.rid] = true
+  if not is_int(item.compute, 1) then fail("BADINPUT", item.rid .. ": compute must be an integer >= 1") end
+  if item.ckpt ~= 0 and item.ckpt ~= 1 then fail("BADINPUT", item.rid .. ": ckpt must be 0 or 1") end
+  local r = get_req(item.rid)
+  if r then
+    if r.stop ~= r.pos then fail("BADINPUT", item.rid .. ": previous step not committed") end
+    if r.pos >= r.tokens then fail("BADINPUT", item.rid .. ": prompt already complete") end
+    return r
+  end
+  if not is_int(item.tokens, 1, 1099511627776) then fail("BADINPUT", item.rid .. ": tokens must be an integer >= 1") end
+  if type(item.hashes) ~= "string" or #item.hashes ~= math.floor(item.tokens / B) * HL then
+    fail("BADINPUT", item.rid .. ": hashes must hold one " .. HL .. "-byte hash per complete " .. B .. "-token block")
+  end
+  return nil
+end
+
+-- Phase A (read-only): validate, look up, and size every request.
+local plans, seen, pinned_in_lru, need = {}, {}, {}, 0
+for n, item in ipairs(batch) do
+  local r = check_request(item, seen)
+  local p = {item = item, r = r, anchor = -1, ckpt = -1, hit = 0, shared = {}, cow = 0}
+  if r == nil then
+    local usable = math.min(#item.hashes / HL, math.floor((item.tokens - 1) / B))
+    local depth = mla_match(item.hashes, usable)
+    if depth > 0 then p.hit, p.ckpt = kda_match(item.hashes, depth) end
+    if p.hit > 0 then
+      local e = get_ep(block_hash(item.hashes, HL, p.hit))
+      local zrec = get_rec(e[1])
+      p.anchor = e[1]
+      for _, id in ipairs(zrec.path) do p.shared[#p.shared + 1] = id end
+      if e[2] == PB then p.shared[#p.shared + 1] = e[1] else p.cow = e[2] end
+    end
+    p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared
+    for _, id in ipairs({p.anchor, p.ckpt}) do
+      if id >= 0 and redis.call("ZSCORE", K_LRU, id) then pinned_in_lru[id] = true end
+    end
+    need = need + m.kda_groups
+  else
+    p.start, p.tokens, p.slots_have = r.pos, r.tokens, #r.mla
+  end
+  p.stop = math.min(p.tokens, p.start + item.compute)
+  p.new_slots = math.ceil(p.stop / PT) - p.slots_have
+  p.want_ckpt = item.ckpt == 1 and m.kda_groups > 0 and math.floor(p.stop / B) > math.floor(p.start / B)
+  need = need + p.new_slots * m.mla_groups
+  if p.want_ckpt then need = need + m.kda_groups end
+  plans[n] = p
+end
+
+local pinned_count = 0
+for _ in pairs(pinned_in_lru) do pinned_count = pinned_count + 1 end
+local available = free_count(m) + redis.call("ZCARD", K_LRU) - pinned_count
+if available < need then
+  return reply({ok = 0, reason = "pool exhausted: the step needs " .. need .. " pages, " .. available ..
+                " are free or evictable", need = need, available = available})
+end
+
+-- Phase B: pin every hit, then evict, then allocate.
+m.tick = m.tick + 1
+for _, p in ipairs(plans) do
+  if p.anchor >= 0 then pin(m, p.anchor) end
+  if p.ckpt >= 0 then pin(m, p.ckpt) end
+end
+local removed = {}
+while free_count(m) < need do
+  if not evict_one(m, removed) then error("CT_CORRUPT eviction ran dry after the capacity check") end
+end
+
+local rids, out = {}, {}
+for n, p in ipairs(plans) do
+  local rid = p.item.rid
+  local r = p.r
+  local copies = {}
+  if r == nil then
+    r = {tokens = p.tokens, pos = p.start, hit = p.start, pin = p.anchor, rpin = p.ckpt,
+         mla = {}, shared = #p.shared, state = -1, ck = -1, reg = p.hit, inter = "", pend = {}}
+    for _, id in ipairs(p.shared) do r.mla[#r.mla + 1] = id end
+    if m.kda_groups > 0 then
+      local lead, ids = alloc_set(m, "K", m.kda_groups, rid)
+      r.state = lead
+      if p.ckpt >= 0 then
+        local src = get_rec(p.ckpt).pages
+        for g = 1, m.kda_groups do copies[#copies + 1] = {src[g], ids[g], 0, m.kda_state_bytes} end
+        r.pend[#r.pend + 1] = {t = m.ticket + 1, unpin = p.ckpt, fills = {}, ck = -1, ckh = ""}
+      end
+    end
+    redis.call("HSET", K_REQH, rid, p.item.hashes)
+  end
+  for s = 1, p.new_slots do
+    local lead, ids = alloc_set(m, "M", m.mla_groups, rid)
+    r.mla[#r.mla + 1] = lead
+    if s == 1 and p.cow > 0 then
+      local src = get_rec(p.anchor).pages
+      for g = 1, m.mla_groups do
+        copies[#copies + 1] = {src[g], ids[g], 0, p.cow * B * m.mla_token_bytes}
+      end
+    end
+  end
+  r.ck = -1
+  if p.want_ckpt then r.ck = alloc_set(m, "K", m.kda_groups, rid) end
+  r.stop = p.stop
+  put_req(rid, r)
+  rids[n] = rid
+  local mla = {}
+  for g = 1, m.mla_groups do
+    mla[g] = {}
+    for s, lead in ipairs(r.mla) do
+      mla[g][s] = (g == 1) and lead or get_rec(lead).pages[g]
+    end
+  end
+  local state, ckpt = {}, {}
+  if r.state >= 0 then state = get_rec(r.state).pages end
+  if r.ck >= 0 then ckpt = get_rec(r.ck).pages end
+  out[n] = {rid = rid, hit = r.hit, start = p.start, stop = p.stop, mla = mla, state = state,
+            ckpt = ckpt, ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0,
+            copies = copies}
+end
+local ticket = new_ticket(m, rids)
+save_meta(m)
+return reply({ok = 1, ticket = ticket, epoch = m.epoch, requests = out, evicted = #removed,
+              removed = removed})

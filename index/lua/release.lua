@@ -1,0 +1,71 @@
+-- release.lua - a finished or failed request gives back its pins and private pages.
+--
+-- KEYS   - the pool's keys, see lib.lua
+-- ARGV[1] - epoch
+-- ARGV[2] - msgpack list of request ids
+-- returns msgpack {released = n, unknown = {rids}, removed = {...}}
+--
+-- Registrations the request never confirmed are rolled back (their bytes may never have been
+-- written): endpoints above the page's ready fill are removed with the checkpoints anchored on
+-- them, and a page with nothing confirmed is freed. Confirmed pages stay cached and become
+-- evictable. Unknown ids are reported, not an error, so a retry after a timeout is harmless.
+
+local m = load_meta(ARGV[1])
+local rids = unpack_arg(ARGV[2], "request id list")
+for _, rid in ipairs(rids) do
+  if type(rid) ~= "string" then fail("BADINPUT", "request ids must be strings") end
+end
+local removed, unknown, released = {}, {}, 0
+
+local function roll_back(rec)
+  local keep = {}
+  for _, e in ipairs(rec.eps) do
+    if e[2] > rec.rf then
+      local ck = redis.call("HGET", K_CK, e[1])
+      if ck and get_rec(tonumber(ck)).anchor == rec.pages[1] then drop_checkpoint(m, e[1], removed) end
+      redis.call("HDEL", K_EP, e[1])
+    else
+      keep[#keep + 1] = e
+    end
+  end
+  return keep
+end
+
+local function release_page(lead)
+  local rec = get_rec(lead)
+  if rec.st == "private" then free_set(rec) return end
+  local keep = roll_back(rec)
+  rec = get_rec(lead)  -- roll_back may have rewritten this record's anchored checkpoints
+  rec.eps, rec.fill = keep, rec.rf
+  if rec.rf == 0 then
+    if rec.par >= 0 then
+      local parent = get_rec(rec.par)
+      parent.kids = parent.kids - 1
+      save_lead(m, rec.par, parent)
+    end
+    free_set(rec)
+    return
+  end
+  rec.owner = ""
+  rec.ref = rec.ref - 1
+  save_lead(m, lead, rec)
+end
+
+for _, rid in ipairs(rids) do
+  local r = get_req(rid)
+  if r == nil then unknown[#unknown + 1] = rid else
+    for _, item in ipairs(r.pend) do
+      if item.unpin >= 0 then unpin(m, item.unpin) end
+      if pending_checkpoint(item) then drop_checkpoint(m, item.ckh, removed) end
+    end
+    for s = #r.mla, r.shared + 1, -1 do release_page(r.mla[s]) end
+    if r.pin >= 0 then unpin(m, r.pin) end
+    if r.state >= 0 then free_set(get_rec(r.state)) end
+    if r.ck >= 0 then free_set(get_rec(r.ck)) end
+    redis.call("HDEL", K_REQ, rid)
+    redis.call("HDEL", K_REQH, rid)
+    released = released + 1
+  end
+end
+save_meta(m)
+return reply({released = released, unknown = unknown, removed = removed})

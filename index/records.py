@@ -1,0 +1,112 @@
+"""What a scheduler hands the index and gets back: small frozen records, never Redis keys.
+
+Page tables are indexed [group][slot]: one page id per cache group for every `page_tokens` of the
+prompt, as vLLM's `KVCacheBlocks` does, so a worker can read its group's pages without knowing how
+page sets are stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One request of a scheduling step. New requests carry their prompt's chained hashes (one per
+    complete hash block); a request already planned before continues its prefill without them."""
+
+    rid: str
+    compute_tokens: int
+    prompt_tokens: int | None = None
+    hashes: bytes | None = None
+    checkpoint: bool = True
+
+    @property
+    def is_new(self) -> bool:
+        return self.hashes is not None
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy `nbytes` at `offset` of every layer slot of page `src` into page `dst`."""
+
+    src: int
+    dst: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    rid: str
+    hit_tokens: int
+    start: int
+    stop: int
+    mla_pages: list[list[int]]
+    state_pages: list[int]
+    checkpoint_pages: list[int]
+    checkpoint_tokens: int
+    copies: list[PageCopy]
+
+
+@dataclass(frozen=True)
+class Removal:
+    kind: Literal["ep", "ck"]
+    block_hash: bytes
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    ticket: int
+    epoch: int
+    requests: list[RequestPlan]
+    evicted: int
+    removed: list[Removal] = field(default_factory=list)
+
+    def by_rid(self) -> dict[str, RequestPlan]:
+        return {r.rid: r for r in self.requests}
+
+
+@dataclass(frozen=True)
+class StepRefusal:
+    """The pool cannot serve this step now; nothing was changed."""
+
+    reason: str
+    pages_needed: int
+    pages_available: int
+
+
+@dataclass(frozen=True)
+class CommitItem:
+    rid: str
+    stop: int
+    checkpoint_tokens: int = 0
+    turn_end: bool = False
+
+
+@dataclass(frozen=True)
+class CommittedRequest:
+    rid: str
+    endpoints: int
+    checkpoint: Literal["none", "registered", "duplicate", "unanchored"]
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    ticket: int
+    requests: list[CommittedRequest]
+    removed: list[Removal] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    released: int
+    unknown: list[str]
+    removed: list[Removal] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    evicted: int
+    removed: list[Removal] = field(default_factory=list)

@@ -1,0 +1,528 @@
+"""An in-memory model of the Lua scripts' semantics: the oracle of the property tests.
+
+It keeps the same structures as Redis (records by page id, one free list, endpoint and checkpoint
+maps, the eviction order) and follows the scripts step by step, so that a hypothesis state machine
+can drive both with the same operations and demand identical answers, page ids included. It is
+deliberately plain Python: readable first, never used on a hot path.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from cachetier.config import Config
+from eviction.policy import EvictionWeights, lru
+from index.errors import BadRequest, CorruptState, StaleEpoch, UnknownEntity
+from index.hashing import hash_len
+from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, PageCopy,
+                           ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal, StepRequest)
+
+
+@dataclass
+class PoolState:
+    """What the Redis keys of one pool hold, decoded."""
+
+    epoch: int = 1
+    fresh: int = 0
+    tick: int = 0
+    ticket: int = 0
+    pages: dict[int, dict[str, Any]] = field(default_factory=dict)
+    free: deque[int] = field(default_factory=deque)
+    ep: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    ck: dict[bytes, int] = field(default_factory=dict)
+    lru: dict[int, float] = field(default_factory=dict)
+    req: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reqh: dict[str, bytes] = field(default_factory=dict)
+    tix: dict[int, list[str]] = field(default_factory=dict)
+
+
+class ReferenceIndex:
+    def __init__(self, config: Config, weights: EvictionWeights | None = None) -> None:
+        self.config = config
+        self.w = weights or lru()
+        self.s = PoolState()
+        cache, model = config.cache, config.model
+        self.B, self.PB = cache.hash_block_tokens, cache.blocks_per_page
+        self.HL = hash_len(cache.hash_algo)
+        self.kda, self.mla = model.kda_groups, model.mla_groups
+        self.num_pages = cache.num_pages
+        self.mla_token_bytes = model.mla_token_bytes
+        self.kda_state_bytes = model.kda_rank_layer_bytes
+        self.max_batch = cache.max_batch
+
+    # -- shared helpers (lib.lua) -------------------------------------------------------------
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch != self.s.epoch:
+            raise StaleEpoch(f"pool epoch is {self.s.epoch}, caller has {epoch}")
+
+    def _h(self, blob: bytes, i: int) -> bytes:
+        return blob[(i - 1) * self.HL:i * self.HL]
+
+    def _score(self, rec: dict[str, Any]) -> float:
+        if rec["k"] == "K":
+            cls = "durable" if rec["dur"] == 1 else "intermediate"
+        else:
+            cls = "durable" if rec["dur"] > 0 else "mla"
+        return self.w.score(cls, rec["lu"], rec["depth"], len(rec["pages"]))
+
+    @staticmethod
+    def _evictable(rec: dict[str, Any]) -> bool:
+        return rec["st"] == "ready" and rec["ref"] == 0 and (rec["k"] == "K" or rec["kids"] == 0)
+
+    def _save_lead(self, lead: int, rec: dict[str, Any]) -> None:
+        self.s.pages[lead] = rec
+        if self._evictable(rec):
+            self.s.lru[lead] = self._score(rec)
+        else:
+            self.s.lru.pop(lead, None)
+
+    def _free_count(self) -> int:
+        return len(self.s.free) + self.num_pages - self.s.fresh
+
+    def _alloc_set(self, kind: str, n: int, owner: str) -> tuple[int, list[int]]:
+        ids = []
+        for _ in range(n):
+            if self.s.free:
+                ids.append(self.s.free.popleft())
+            else:
+                ids.append(self.s.fresh)
+                self.s.fresh += 1
+        for g in range(1, n):
+            self.s.pages[ids[g]] = {"lead": ids[0], "k": kind, "g": g}
+        self.s.pages[ids[0]] = {"k": kind, "g": 0, "pages": ids, "st": "private", "ref": 1,
+                                "owner": owner, "lu": 0, "dur": 0, "depth": 0, "kids": 0}
+        return ids[0], ids
+
+    def _free_set(self, rec: dict[str, Any]) -> None:
+        for pid in rec["pages"]:
+            del self.s.pages[pid]
+            self.s.free.append(pid)
+        self.s.lru.pop(rec["pages"][0], None)
+
+    def _drop_checkpoint(self, h: bytes, removed: list[Removal]) -> None:
+        lead = self.s.ck[h]
+        rec = self.s.pages[lead]
+        if rec["ref"] > 0:
+            raise CorruptState(f"pinned checkpoint dropped at page {lead}")
+        del self.s.ck[h]
+        anchor = self.s.pages.get(rec["anchor"])
+        if anchor is not None:
+            anchor["cks"] = [c for c in anchor["cks"] if c != h]
+            if rec["dur"] == 1:
+                anchor["dur"] -= 1
+            self._save_lead(rec["anchor"], anchor)
+        self._free_set(rec)
+        removed.append(Removal("ck", h))
+
+    def _drop_mla(self, lead: int, rec: dict[str, Any], removed: list[Removal]) -> None:
+        while rec["cks"]:
+            self._drop_checkpoint(rec["cks"][-1], removed)
+            rec = self.s.pages[lead]
+        for h, _ in rec["eps"]:
+            del self.s.ep[h]
+            removed.append(Removal("ep", h))
+        if rec["par"] >= 0:
+            parent = self.s.pages[rec["par"]]
+            parent["kids"] -= 1
+            parent["lu"] = max(parent["lu"], rec["lu"])
+            self._save_lead(rec["par"], parent)
+        self._free_set(rec)
+
+    def _evict_one(self, removed: list[Removal]) -> bool:
+        if not self.s.lru:
+            return False
+        # ZRANGE order: score, then the member string.
+        lead = min(self.s.lru, key=lambda pid: (self.s.lru[pid], str(pid)))
+        rec = self.s.pages[lead]
+        if rec["k"] == "K":
+            self._drop_checkpoint(rec["h"], removed)
+        else:
+            self._drop_mla(lead, rec, removed)
+        return True
+
+    def _pin(self, lead: int) -> None:
+        rec = self.s.pages[lead]
+        rec["ref"] += 1
+        self._save_lead(lead, rec)
+
+    def _unpin(self, lead: int) -> None:
+        rec = self.s.pages.get(lead)
+        if rec is None or rec["ref"] < 1:
+            raise CorruptState(f"unpin of unpinned page {lead}")
+        rec["ref"] -= 1
+        rec["lu"] = self.s.tick
+        self._save_lead(lead, rec)
+
+    def _new_ticket(self, rids: list[str]) -> int:
+        self.s.ticket += 1
+        self.s.tix[self.s.ticket] = rids
+        return self.s.ticket
+
+    def _matchable(self, h: bytes) -> tuple[int, int] | None:
+        e = self.s.ep.get(h)
+        if e is None:
+            return None
+        return e if self.s.pages[e[0]]["rf"] >= e[1] else None
+
+    def _pending_checkpoint(self, item: dict[str, Any]) -> bool:
+        if item["ck"] < 0 or self.s.ck.get(item["ckh"]) != item["ck"]:
+            return False
+        rec = self.s.pages[item["ck"]]
+        return rec["st"] == "pending" and rec["tk"] == item["t"]
+
+    # -- plan_step.lua ------------------------------------------------------------------------
+    def _mla_match(self, blob: bytes, usable: int) -> int:
+        lo, hi = 0, usable // self.PB
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._matchable(self._h(blob, mid * self.PB)):
+                lo = mid
+            else:
+                hi = mid - 1
+        for f in range(min(self.PB - 1, usable - lo * self.PB), 0, -1):
+            if self._matchable(self._h(blob, lo * self.PB + f)):
+                return lo * self.PB + f
+        return lo * self.PB
+
+    def _kda_match(self, blob: bytes, depth: int) -> tuple[int, int]:
+        if self.kda == 0:
+            return depth, -1
+        for slot in range((depth - 1) // self.PB, -1, -1):
+            last = min(depth, (slot + 1) * self.PB)
+            for i in range(last, slot * self.PB, -1):
+                h = self._h(blob, i)
+                lead = self.s.ck.get(h)
+                if lead is not None and self.s.pages[lead]["st"] == "ready" and self._matchable(h):
+                    return i, lead
+        return 0, -1
+
+    def _check_request(self, item: StepRequest, seen: set[str]) -> dict[str, Any] | None:
+        if item.rid in seen:
+            raise BadRequest(f"request {item.rid} appears twice in the step")
+        seen.add(item.rid)
+        if item.compute_tokens < 1:
+            raise BadRequest(f"{item.rid}: compute must be an integer >= 1")
+        r = self.s.req.get(item.rid)
+        if r is not None:
+            if r["stop"] != r["pos"]:
+                raise BadRequest(f"{item.rid}: previous step not committed")
+            if r["pos"] >= r["tokens"]:
+                raise BadRequest(f"{item.rid}: prompt already complete")
+            return r
+        if item.hashes is None or item.prompt_tokens is None or item.prompt_tokens < 1:
+            raise BadRequest(f"{item.rid}: tokens must be an integer >= 1")
+        if len(item.hashes) != item.prompt_tokens // self.B * self.HL:
+            raise BadRequest(f"{item.rid}: hashes must hold one hash per complete block")
+        return None
+
+    def plan_step(self, epoch: int, batch: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        self._check_epoch(epoch)
+        if len(batch) > self.max_batch:
+            raise BadRequest("batch exceeds max_batch")
+        plans, seen, pinned_in_lru, need = [], set(), set(), 0
+        for item in batch:
+            r = self._check_request(item, seen)
+            p: dict[str, Any] = {"item": item, "r": r, "anchor": -1, "ckpt": -1, "hit": 0,
+                                 "shared": [], "cow": 0}
+            if r is None:
+                usable = min(len(item.hashes) // self.HL, (item.prompt_tokens - 1) // self.B)
+                depth = self._mla_match(item.hashes, usable)
+                if depth > 0:
+                    p["hit"], p["ckpt"] = self._kda_match(item.hashes, depth)
+                if p["hit"] > 0:
+                    lead, fill = self.s.ep[self._h(item.hashes, p["hit"])]
+                    p["anchor"] = lead
+                    p["shared"] = list(self.s.pages[lead]["path"])
+                    if fill == self.PB:
+                        p["shared"].append(lead)
+                    else:
+                        p["cow"] = fill
+                p["start"], p["tokens"], p["slots_have"] = p["hit"] * self.B, item.prompt_tokens, len(p["shared"])
+                pinned_in_lru |= {i for i in (p["anchor"], p["ckpt"]) if i >= 0 and i in self.s.lru}
+                need += self.kda
+            else:
+                p["start"], p["tokens"], p["slots_have"] = r["pos"], r["tokens"], len(r["mla"])
+            p["stop"] = min(p["tokens"], p["start"] + item.compute_tokens)
+            p["new_slots"] = math.ceil(p["stop"] / (self.B * self.PB)) - p["slots_have"]
+            p["want_ckpt"] = (item.checkpoint and self.kda > 0
+                              and p["stop"] // self.B > p["start"] // self.B)
+            need += p["new_slots"] * self.mla + (self.kda if p["want_ckpt"] else 0)
+            plans.append(p)
+        available = self._free_count() + len(self.s.lru) - len(pinned_in_lru)
+        if available < need:
+            return StepRefusal(f"pool exhausted: the step needs {need} pages, {available} are "
+                               "free or evictable", need, available)
+        self.s.tick += 1
+        for p in plans:
+            for lead in (p["anchor"], p["ckpt"]):
+                if lead >= 0:
+                    self._pin(lead)
+        removed: list[Removal] = []
+        while self._free_count() < need:
+            if not self._evict_one(removed):
+                raise CorruptState("eviction ran dry after the capacity check")
+        out = [self._allocate(p) for p in plans]
+        ticket = self._new_ticket([p["item"].rid for p in plans])
+        return StepPlan(ticket, self.s.epoch, out, len(removed), removed)
+
+    def _allocate(self, p: dict[str, Any]) -> RequestPlan:
+        rid, r, copies = p["item"].rid, p["r"], []
+        if r is None:
+            r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "pin": p["anchor"],
+                 "rpin": p["ckpt"], "mla": list(p["shared"]), "shared": len(p["shared"]),
+                 "state": -1, "ck": -1, "reg": p["hit"], "inter": b"", "pend": []}
+            if self.kda > 0:
+                lead, ids = self._alloc_set("K", self.kda, rid)
+                r["state"] = lead
+                if p["ckpt"] >= 0:
+                    src = self.s.pages[p["ckpt"]]["pages"]
+                    copies += [PageCopy(src[g], ids[g], 0, self.kda_state_bytes) for g in range(self.kda)]
+                    r["pend"].append({"t": self.s.ticket + 1, "unpin": p["ckpt"], "fills": {},
+                                      "ck": -1, "ckh": b""})
+            self.s.reqh[rid] = p["item"].hashes
+        for s in range(p["new_slots"]):
+            lead, ids = self._alloc_set("M", self.mla, rid)
+            r["mla"].append(lead)
+            if s == 0 and p["cow"] > 0:
+                src = self.s.pages[p["anchor"]]["pages"]
+                copies += [PageCopy(src[g], ids[g], 0, p["cow"] * self.B * self.mla_token_bytes)
+                           for g in range(self.mla)]
+        r["ck"] = self._alloc_set("K", self.kda, rid)[0] if p["want_ckpt"] else -1
+        r["stop"] = p["stop"]
+        self.s.req[rid] = r
+        mla = [[lead if g == 0 else self.s.pages[lead]["pages"][g] for lead in r["mla"]]
+               for g in range(self.mla)]
+        state = list(self.s.pages[r["state"]]["pages"]) if r["state"] >= 0 else []
+        ckpt = list(self.s.pages[r["ck"]]["pages"]) if r["ck"] >= 0 else []
+        ck_tokens = p["stop"] // self.B * self.B if p["want_ckpt"] else 0
+        return RequestPlan(rid, r["hit"], p["start"], p["stop"], mla, state, ckpt, ck_tokens, copies)
+
+    # -- commit.lua ---------------------------------------------------------------------------
+    def commit(self, epoch: int, items: Sequence[CommitItem]) -> CommitResult:
+        self._check_epoch(epoch)
+        reqs, seen = [], set()
+        for item in items:
+            if item.rid in seen:
+                raise BadRequest(f"request {item.rid} appears twice in the commit")
+            seen.add(item.rid)
+            r = self.s.req.get(item.rid)
+            if r is None:
+                raise UnknownEntity(f"unknown request {item.rid}")
+            self._check_commit(item, r)
+            reqs.append(r)
+        ticket, removed, out = self.s.ticket + 1, [], []
+        for item, r in zip(items, reqs):
+            blob = self.s.reqh[item.rid]
+            p = {"t": ticket, "fills": {}, "unpin": -1, "ck": -1, "ckh": b""}
+            count = self._register_endpoints(item.rid, r, blob, item.stop // self.B, p["fills"])
+            state = "none"
+            if item.checkpoint_tokens > 0:
+                state = self._register_checkpoint(item.rid, r, blob, item.checkpoint_tokens // self.B,
+                                                  int(item.turn_end), p, ticket, removed)
+            elif r["ck"] >= 0:
+                self._free_set(self.s.pages[r["ck"]])
+                r["ck"] = -1
+            r["pend"].append(p)
+            r["pos"] = r["stop"] = item.stop
+            out.append(CommittedRequest(item.rid, count, state))
+        self._new_ticket([i.rid for i in items])
+        return CommitResult(ticket, out, removed)
+
+    def _check_commit(self, item: CommitItem, r: dict[str, Any]) -> None:
+        if r["stop"] == r["pos"]:
+            raise BadRequest(f"{item.rid}: no planned step to commit")
+        if not r["pos"] < item.stop <= r["stop"]:
+            raise BadRequest(f"{item.rid}: stop must be an integer in ({r['pos']}, {r['stop']}]")
+        c = item.checkpoint_tokens
+        if c < 0:
+            raise BadRequest(f"{item.rid}: ckpt_tokens must be an integer >= 0")
+        if c > 0:
+            if c % self.B:
+                raise BadRequest(f"{item.rid}: ckpt_tokens {c} is not on a hash block boundary")
+            if c <= r["pos"] or c > item.stop:
+                raise BadRequest(f"{item.rid}: ckpt_tokens out of range")
+            if r["ck"] < 0:
+                raise BadRequest(f"{item.rid}: no checkpoint pages were planned for this step")
+
+    def _attach(self, rid: str, rec: dict[str, Any], slot: int, blob: bytes) -> bool:
+        path, par = [], -1
+        if slot > 0:
+            e = self.s.ep.get(self._h(blob, slot * self.PB))
+            if e is None:
+                return False
+            parent = self.s.pages[e[0]]
+            if parent["rf"] < self.PB and parent["owner"] != rid:
+                return False
+            path, par = parent["path"] + [e[0]], e[0]
+            parent["kids"] += 1
+            self._save_lead(e[0], parent)
+        rec.update(path=path, par=par, st="pending", depth=(slot + 1) * self.PB * self.B, eps=[], cks=[], rf=0, fill=0)
+        return True
+
+    def _register_endpoints(self, rid: str, r: dict[str, Any], blob: bytes, upto: int,
+                            fills: dict[int, int]) -> int:
+        count = 0
+        for i in range(r["reg"] + 1, upto + 1):
+            h = self._h(blob, i)
+            if h not in self.s.ep:
+                slot = (i - 1) // self.PB
+                lead = r["mla"][slot]
+                rec = self.s.pages[lead]
+                if rec["st"] == "private" and not self._attach(rid, rec, slot, blob):
+                    return count
+                rec["fill"] = i - slot * self.PB
+                rec["eps"].append([h, rec["fill"]])
+                self.s.ep[h] = (lead, rec["fill"])
+                self._save_lead(lead, rec)
+                fills[lead] = rec["fill"]
+                count += 1
+            r["reg"] = i
+        return count
+
+    def _register_checkpoint(self, rid: str, r: dict[str, Any], blob: bytes, blocks: int,
+                             turn_end: int, p: dict[str, Any], ticket: int,
+                             removed: list[Removal]) -> str:
+        h = self._h(blob, blocks)
+        existing = self.s.ck.get(h)
+        e = self.s.ep.get(h)
+        if e is not None:
+            z = self.s.pages[e[0]]
+            if z["rf"] < e[1] and z["owner"] != rid:
+                e = None
+        ck_lead, r["ck"] = r["ck"], -1
+        if existing is not None or e is None:
+            self._free_set(self.s.pages[ck_lead])
+            if existing is not None and turn_end == 1:
+                rec = self.s.pages[existing]
+                if rec["dur"] == 0:
+                    rec["dur"] = 1
+                    self._save_lead(existing, rec)
+                    anchor = self.s.pages[rec["anchor"]]
+                    anchor["dur"] += 1
+                    self._save_lead(rec["anchor"], anchor)
+            return "duplicate" if existing is not None else "unanchored"
+        rec = self.s.pages[ck_lead]
+        rec.update(st="pending", ref=0, owner="", h=h, anchor=e[0], dur=turn_end, lu=self.s.tick,
+                   depth=blocks * self.B, tk=ticket)
+        self._save_lead(ck_lead, rec)
+        self.s.ck[h] = ck_lead
+        anchor = self.s.pages[e[0]]
+        anchor["cks"].append(h)
+        anchor["dur"] += turn_end
+        self._save_lead(e[0], anchor)
+        p["ck"], p["ckh"] = ck_lead, h
+        if r["inter"]:
+            old = self.s.ck.get(r["inter"])
+            if old is not None:
+                orec = self.s.pages[old]
+                if orec["st"] == "ready" and orec["ref"] == 0 and orec["dur"] == 0:
+                    self._drop_checkpoint(r["inter"], removed)
+        r["inter"] = b"" if turn_end == 1 else h
+        return "registered"
+
+    # -- confirm.lua --------------------------------------------------------------------------
+    def confirm(self, epoch: int, ticket: int) -> int:
+        self._check_epoch(epoch)
+        if ticket not in self.s.tix:
+            raise UnknownEntity(f"unknown ticket {ticket}")
+        count = 0
+        for rid in self.s.tix.pop(ticket):
+            r = self.s.req.get(rid)
+            if r is None:
+                continue
+            keep = []
+            for item in r["pend"]:
+                if item["t"] <= ticket:
+                    self._settle(item)
+                else:
+                    keep.append(item)
+            r["pend"] = keep
+            count += 1
+        return count
+
+    def _settle(self, item: dict[str, Any]) -> None:
+        if item["unpin"] >= 0:
+            self._unpin(item["unpin"])
+        for lead, fill in item["fills"].items():
+            rec = self.s.pages.get(lead)
+            if rec is not None and rec["st"] != "private" and rec["rf"] < fill:
+                rec["rf"], rec["st"] = fill, "ready"
+                self._save_lead(lead, rec)
+        if self._pending_checkpoint(item):
+            rec = self.s.pages[item["ck"]]
+            rec["st"] = "ready"
+            self._save_lead(item["ck"], rec)
+
+    # -- release.lua --------------------------------------------------------------------------
+    def release(self, epoch: int, rids: Sequence[str]) -> ReleaseResult:
+        self._check_epoch(epoch)
+        removed: list[Removal] = []
+        unknown, released = [], 0
+        for rid in rids:
+            r = self.s.req.get(rid)
+            if r is None:
+                unknown.append(rid)
+                continue
+            for item in r["pend"]:
+                if item["unpin"] >= 0:
+                    self._unpin(item["unpin"])
+                if self._pending_checkpoint(item):
+                    self._drop_checkpoint(item["ckh"], removed)
+            for s in range(len(r["mla"]) - 1, r["shared"] - 1, -1):
+                self._release_page(r["mla"][s], removed)
+            if r["pin"] >= 0:
+                self._unpin(r["pin"])
+            for lead in (r["state"], r["ck"]):
+                if lead >= 0:
+                    self._free_set(self.s.pages[lead])
+            del self.s.req[rid]
+            del self.s.reqh[rid]
+            released += 1
+        return ReleaseResult(released, unknown, removed)
+
+    def _release_page(self, lead: int, removed: list[Removal]) -> None:
+        rec = self.s.pages[lead]
+        if rec["st"] == "private":
+            self._free_set(rec)
+            return
+        keep = []
+        for h, fill in rec["eps"]:
+            if fill > rec["rf"]:
+                ck = self.s.ck.get(h)
+                if ck is not None and self.s.pages[ck]["anchor"] == lead:
+                    self._drop_checkpoint(h, removed)
+                del self.s.ep[h]
+            else:
+                keep.append([h, fill])
+        rec = self.s.pages[lead]
+        rec["eps"], rec["fill"] = keep, rec["rf"]
+        if rec["rf"] == 0:
+            if rec["par"] >= 0:
+                parent = self.s.pages[rec["par"]]
+                parent["kids"] -= 1
+                self._save_lead(rec["par"], parent)
+            self._free_set(rec)
+            return
+        rec["owner"] = ""
+        rec["ref"] -= 1
+        self._save_lead(lead, rec)
+
+    # -- evict.lua, invalidate_pool.lua ------------------------------------------------------
+    def evict(self, epoch: int, count: int) -> EvictResult:
+        self._check_epoch(epoch)
+        removed: list[Removal] = []
+        n = 0
+        while n < count and self._evict_one(removed):
+            n += 1
+        return EvictResult(n, removed)
+
+    def invalidate(self) -> int:
+        self.s = PoolState(epoch=self.s.epoch + 1, tick=self.s.tick, ticket=self.s.ticket)
+        return self.s.epoch
+
+    def state_copy(self) -> PoolState:
+        return copy.deepcopy(self.s)

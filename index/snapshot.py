@@ -1,0 +1,125 @@
+"""Read a whole pool out of Redis, and check every invariant of DESIGN.md on it.
+
+`read_pool` decodes the keys into the same `PoolState` the reference model keeps, so a property
+test can compare the two field by field. `sanity_check` is the pool's self-test (SGLang's
+`sanity_check()` habit): tests call it after every operation. Both read everything, so they are
+for tests and operators, never for the hot path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import msgpack
+from redis.asyncio import Redis
+
+from index.reference import PoolState
+
+_TEXT_FIELDS = ("k", "st", "owner")
+
+
+async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
+    meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k = keys
+    pipe = redis.pipeline(transaction=True)
+    pipe.hgetall(meta_k).hgetall(pages_k).lrange(free_k, 0, -1).hgetall(ep_k).hgetall(ck_k)
+    pipe.zrange(lru_k, 0, -1, withscores=True).hgetall(req_k).hgetall(reqh_k).hgetall(tix_k)
+    meta, pages, free, ep, ck, lru, req, reqh, tix = await pipe.execute()
+    meta = {k.decode(): int(float(v)) for k, v in meta.items() if not k.startswith(b"w_")}
+    return PoolState(
+        epoch=meta["epoch"], fresh=meta["fresh"], tick=meta["tick"], ticket=meta["ticket"],
+        pages={int(k): _record(msgpack.unpackb(v, raw=True)) for k, v in pages.items()},
+        free=deque(int(x) for x in free),
+        ep={h: tuple(msgpack.unpackb(v)) for h, v in ep.items()},
+        ck={h: int(v) for h, v in ck.items()},
+        lru={int(m): s for m, s in lru},
+        req={k.decode(): _request(msgpack.unpackb(v, raw=True)) for k, v in req.items()},
+        reqh={k.decode(): v for k, v in reqh.items()},
+        tix={int(k): [r.decode() for r in msgpack.unpackb(v, raw=True)] for k, v in tix.items()},
+    )
+
+
+def _record(raw: dict[bytes, Any]) -> dict[str, Any]:
+    rec = {k.decode(): v for k, v in raw.items()}
+    for name in _TEXT_FIELDS:
+        if name in rec:
+            rec[name] = rec[name].decode()
+    return rec
+
+
+def _request(raw: dict[bytes, Any]) -> dict[str, Any]:
+    r = {k.decode(): v for k, v in raw.items()}
+    r["pend"] = [_pending(item) for item in r["pend"]]
+    return r
+
+
+def _pending(raw: dict[bytes, Any]) -> dict[str, Any]:
+    item = {k.decode(): v for k, v in raw.items()}
+    item["fills"] = {int(k): v for k, v in dict(item["fills"] or {}).items()}
+    return item
+
+
+def page_refs(state: PoolState, lead: int) -> int:
+    return state.pages[lead]["ref"]
+
+
+def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None:
+    """Raise AssertionError naming the first broken invariant."""
+    free = list(state.free)
+    assert len(free) == len(set(free)), "a page is twice on the free list"
+    assert all(0 <= p < state.fresh for p in free), "free list holds a never-allocated page"
+    assert not set(free) & set(state.pages), "a page is both free and referenced"
+    assert len(free) + len(state.pages) == state.fresh <= num_pages, "pages leaked or double-counted"
+    leads = {pid: rec for pid, rec in state.pages.items() if "pages" in rec}
+    for pid, rec in state.pages.items():
+        if "lead" in rec:
+            assert pid in leads[rec["lead"]]["pages"], f"page {pid} lost its page set"
+    for lead, rec in leads.items():
+        _check_lead(state, lead, rec, blocks_per_page)
+    for h, (lead, fill) in state.ep.items():
+        rec = leads[lead]
+        assert rec["k"] == "M" and [h, fill] in [list(e) for e in rec["eps"]], f"endpoint of {lead} unknown to it"
+    for h, lead in state.ck.items():
+        rec = leads[lead]
+        assert rec["k"] == "K" and rec["h"] == h, "checkpoint record mismatch"
+        assert h in state.ep and state.ep[h][0] == rec["anchor"], "checkpoint without its MLA endpoint"
+        assert h in leads[rec["anchor"]]["cks"], "anchor does not list its checkpoint"
+    pins = _expected_pins(state)
+    for lead, rec in leads.items():
+        assert rec["ref"] == pins.get(lead, 0), f"page {lead} refcount {rec['ref']} != holders {pins.get(lead, 0)}"
+
+
+def _check_lead(state: PoolState, lead: int, rec: dict[str, Any], blocks_per_page: int) -> None:
+    assert rec["ref"] >= 0, f"negative refcount on page {lead}"
+    evictable = rec["st"] == "ready" and rec["ref"] == 0 and (rec["k"] == "K" or rec["kids"] == 0)
+    assert (lead in state.lru) == evictable, f"page {lead} eviction membership wrong"
+    if rec["k"] != "M" or rec["st"] == "private":
+        return
+    assert 0 <= rec["rf"] <= rec["fill"] <= blocks_per_page, f"page {lead} fills out of order"
+    kids = sum(1 for r in state.pages.values() if r.get("par") == lead and r.get("st") != "private")
+    assert rec["kids"] == kids, f"page {lead} counts {rec['kids']} children, has {kids}"
+    if rec["par"] >= 0:
+        parent = state.pages[rec["par"]]
+        assert parent["path"] + [rec["par"]] == rec["path"], f"page {lead} path broken"
+        if rec["rf"] > 0:
+            assert parent["rf"] == blocks_per_page, f"ready page {lead} under a page not ready"
+
+
+def _expected_pins(state: PoolState) -> dict[int, int]:
+    """Every reference a live request holds: its hit pin, its restore pin, its private pages."""
+    pins: dict[int, int] = {}
+
+    def add(lead: int) -> None:
+        if lead >= 0:
+            pins[lead] = pins.get(lead, 0) + 1
+
+    for r in state.req.values():
+        add(r["pin"])
+        for item in r["pend"]:
+            add(item["unpin"])
+        for lead in r["mla"][r["shared"]:]:
+            if state.pages[lead]["owner"] != "":
+                add(lead)
+        add(r["state"])
+        add(r["ck"])
+    return pins

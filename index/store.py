@@ -1,0 +1,169 @@
+"""The async face of the index: one script call (one round trip) per operation, whatever the batch.
+
+`PrefixIndex` turns records into script arguments and replies back into records. It holds no
+metadata of its own beyond the epoch it last saw, which it passes to every call so that a caller
+holding pins from before an invalidation is told so (`StaleEpoch`) instead of touching new pages.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import msgpack
+from redis.asyncio import Redis
+
+from cachetier.config import Config
+from eviction.policy import EvictionWeights, lru
+from index.errors import StaleEpoch
+from index.hashing import hash_len
+from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, PageCopy,
+                           ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal, StepRequest)
+from index.scripts import Scripts
+
+KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix")
+_POOL_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def pool_keys(pool_id: str) -> list[str]:
+    """All keys of one pool share the `{pool_id}` hash tag: one Redis Cluster slot per pool."""
+    if not _POOL_ID.match(pool_id):
+        raise ValueError(f"pool id {pool_id!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
+    return [f"ct:{{{pool_id}}}:{name}" for name in KEY_NAMES]
+
+
+def pool_fields(config: Config, weights: EvictionWeights) -> dict[str, int | float]:
+    model, cache = config.model, config.cache
+    return {
+        "num_pages": cache.num_pages, "blocks_per_page": cache.blocks_per_page,
+        "block_tokens": cache.hash_block_tokens, "hash_len": hash_len(cache.hash_algo),
+        "kda_groups": model.kda_groups, "mla_groups": model.mla_groups,
+        "mla_token_bytes": model.mla_token_bytes, "kda_state_bytes": model.kda_rank_layer_bytes,
+        "max_batch": cache.max_batch, **weights.as_pool_fields(),
+    }
+
+
+class PrefixIndex:
+    def __init__(self, redis: Redis, pool_id: str, config: Config,
+                 weights: EvictionWeights | None = None) -> None:
+        self.redis = redis
+        self.pool_id = pool_id
+        self.config = config
+        self.weights = weights or lru()
+        self.keys = pool_keys(pool_id)
+        self.epoch = 0
+        self._scripts = Scripts(redis)
+        self._hash_len = hash_len(config.cache.hash_algo)
+
+    async def create(self) -> int:
+        """Create the pool (or join an existing one of the same geometry); returns its epoch."""
+        args: list[Any] = []
+        for name, value in pool_fields(self.config, self.weights).items():
+            args += [name, repr(value) if isinstance(value, float) else value]
+        self.epoch = int(await self._scripts.call("create_pool", self.keys, args))
+        return self.epoch
+
+    async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        self._check_batch(requests)
+        reply = await self._call("plan_step", [_pack([self._encode(r) for r in requests])])
+        if not reply["ok"]:
+            return StepRefusal(reply["reason"].decode(), reply["need"], reply["available"])
+        return StepPlan(ticket=reply["ticket"], epoch=reply["epoch"],
+                        requests=[_request_plan(r) for r in reply["requests"]],
+                        evicted=reply["evicted"], removed=_removals(reply["removed"]))
+
+    async def confirm(self, ticket: int) -> int:
+        """Returns how many of the ticket's requests were still active."""
+        return (await self._call("confirm", [ticket]))["requests"]
+
+    async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
+        self._check_size(items)
+        batch = [{"rid": i.rid, "stop": i.stop, "ckpt_tokens": i.checkpoint_tokens,
+                  "turn_end": int(i.turn_end)} for i in items]
+        reply = await self._call("commit", [_pack(batch)])
+        return CommitResult(
+            ticket=reply["ticket"],
+            requests=[CommittedRequest(r["rid"].decode(), r["endpoints"], r["ckpt"].decode())
+                      for r in _list(reply["requests"])],
+            removed=_removals(reply["removed"]))
+
+    async def release(self, rids: Sequence[str]) -> ReleaseResult:
+        reply = await self._call("release", [_pack(list(rids))])
+        return ReleaseResult(reply["released"], [r.decode() for r in _list(reply["unknown"])],
+                             _removals(reply["removed"]))
+
+    async def evict(self, count: int) -> EvictResult:
+        reply = await self._call("evict", [count])
+        return EvictResult(reply["evicted"], _removals(reply["removed"]))
+
+    async def invalidate(self, seen_epoch: int | None = None) -> int:
+        """Start a new epoch; with `seen_epoch`, only if the pool is still in that epoch."""
+        arg = "" if seen_epoch is None else str(seen_epoch)
+        self.epoch = int(await self._scripts.call("invalidate_pool", self.keys, [arg]))
+        return self.epoch
+
+    async def current_epoch(self) -> int:
+        return int(await self.redis.hget(self.keys[0], "epoch") or 0)
+
+    async def _call(self, name: str, args: list[Any]) -> dict[str, Any]:
+        try:
+            raw = await self._scripts.call(name, self.keys, [self.epoch, *args])
+        except StaleEpoch:
+            self.epoch = await self.current_epoch()
+            raise
+        return _decode_keys(msgpack.unpackb(raw, raw=True))
+
+    def _encode(self, r: StepRequest) -> dict[str, Any]:
+        if not isinstance(r.rid, str) or not r.rid:
+            raise ValueError(f"request id must be a non-empty string, got {r.rid!r}")
+        if isinstance(r.compute_tokens, bool) or not isinstance(r.compute_tokens, int) or r.compute_tokens < 1:
+            raise ValueError(f"{r.rid}: compute_tokens must be an integer >= 1")
+        item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint)}
+        if r.is_new:
+            blocks = (r.prompt_tokens or 0) // self.config.cache.hash_block_tokens
+            if len(r.hashes) != blocks * self._hash_len:
+                raise ValueError(f"{r.rid}: {len(r.hashes)} hash bytes for {r.prompt_tokens} tokens; "
+                                 f"expected {blocks} hashes of {self._hash_len} bytes")
+            item.update(tokens=r.prompt_tokens, hashes=bytes(r.hashes))
+        return item
+
+    def _check_batch(self, requests: Sequence[StepRequest]) -> None:
+        self._check_size(requests)
+        rids = [r.rid for r in requests]
+        if len(set(rids)) != len(rids):
+            raise ValueError("a request id appears twice in the step")
+
+    def _check_size(self, items: Sequence[object]) -> None:
+        if len(items) > self.config.cache.max_batch:
+            raise ValueError(f"batch of {len(items)} exceeds max_batch {self.config.cache.max_batch}")
+
+
+def _pack(value: object) -> bytes:
+    # Redis 7.0's cmsgpack predates the bin type: bytes travel as raw strings.
+    return msgpack.packb(value, use_bin_type=False)
+
+
+def _decode_keys(value: Any) -> Any:
+    """Script replies are packed with byte-string keys; hashes stay bytes, keys become str."""
+    if isinstance(value, dict):
+        return {k.decode(): _decode_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_keys(v) for v in value]
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    """Lua packs an empty table as an empty map or list alike."""
+    return list(value) if value else []
+
+
+def _removals(raw: Any) -> list[Removal]:
+    return [Removal(kind.decode(), h) for kind, h in _list(raw)]
+
+
+def _request_plan(r: dict[str, Any]) -> RequestPlan:
+    return RequestPlan(
+        rid=r["rid"].decode(), hit_tokens=r["hit"], start=r["start"], stop=r["stop"],
+        mla_pages=[list(g) for g in _list(r["mla"])], state_pages=list(_list(r["state"])),
+        checkpoint_pages=list(_list(r["ckpt"])), checkpoint_tokens=r["ckpt_tokens"],
+        copies=[PageCopy(*c) for c in _list(r["copies"])])

@@ -1,0 +1,149 @@
+"""`cachetier config show` and the bench delegation, run in-process through `cli.main`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from cachetier.cli import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr, whether `main` returns or argparse exits."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def show_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    code, out, err = run_cli(capsys, "config", "show", "--json", *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_kimi_k3_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    described = show_json(capsys, "--preset", "kimi-k3")
+    assert described["page_bytes"] == 7077888  # 6,144 tokens x 576 bf16 latents
+    assert described["kda_page_bytes"] == 96 * 128 * 128 * 2
+    assert described["kda_padding_fraction"] == pytest.approx(0.5556, abs=1e-4)
+    assert described["mla_padding_fraction"] == 0.0
+    assert described["model"]["kda_groups"] * described["model"]["layers_per_group"] == 69
+    assert described["cache"] == {"hash_block_tokens": 512, "page_tokens": 6144,
+                                  "page_alignment": 4096, "num_pages": 4096, "max_batch": 256,
+                                  "hash_algo": "xxh3_128"}
+
+
+def test_tiny_preset_is_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    described = show_json(capsys)
+    assert described["model"]["name"] == "tiny"
+    assert described["page_bytes"] == 4096
+    assert described["kda_padding_fraction"] == 0.0 == described["mla_padding_fraction"]
+
+
+def test_set_overrides_a_field(capsys: pytest.CaptureFixture[str]) -> None:
+    described = show_json(capsys, "--preset", "kimi-k3", "--set", "model.tp_degree=4",
+                          "--set", "cache.hash_algo=sha256")
+    assert described["model"]["tp_degree"] == 4
+    assert described["kda_page_bytes"] == 24 * 128 * 128 * 2
+    assert described["cache"]["hash_algo"] == "sha256"
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("model.tp_degree=5", "model.tp_degree"),
+    ("cache.page_tokens=100", "cache.page_tokens"),
+    ("cache.num_pages=many", "cache.num_pages"),
+    ("model.bogus=1", "model.bogus"),
+])
+def test_invalid_set_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str], override: str,
+                                              field: str) -> None:
+    code, out, err = run_cli(capsys, "config", "show", "--set", override)
+    assert code == 2 and out == ""
+    assert field in err
+
+
+def test_toml_file_overrides_the_preset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "cache.toml"
+    path.write_text('[model]\nkda_heads = 8\n\n[cache]\npage_tokens = 128\nhash_algo = "sha256"\n')
+    described = show_json(capsys, "--config", str(path), "--set", "cache.num_pages=9")
+    assert described["model"]["kda_heads"] == 8
+    assert described["cache"]["page_tokens"] == 128
+    assert described["cache"]["num_pages"] == 9
+    assert described["kda_page_bytes"] == 8 * 16 * 16 * 4
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[model]\nbogus = 1\n", "model.bogus: unknown field"),
+    ("[servers]\nport = 1\n", "servers: unknown section"),
+    ("[model\n", "--config"),
+])
+def test_bad_toml_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str,
+                               message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    code, _, err = run_cli(capsys, "config", "show", "--config", str(path))
+    assert code == 2 and message in err
+
+
+def test_missing_toml_file_and_unknown_preset_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "config", "show", "--config", "/nonexistent/x.toml")
+    assert code == 2 and "/nonexistent/x.toml" in err
+    code, _, err = run_cli(capsys, "config", "show", "--preset", "huge")
+    assert code == 2 and "unknown preset 'huge'" in err
+
+
+def test_text_output_loads_back_as_a_config_file(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    code, text, _ = run_cli(capsys, "config", "show", "--preset", "kimi-k3")
+    assert code == 0 and "# page_bytes = 7077888" in text
+    path = tmp_path / "k3.toml"
+    path.write_text(text)
+    assert show_json(capsys, "--config", str(path)) == show_json(capsys, "--preset", "kimi-k3")
+
+
+def test_unknown_flag_and_malformed_set_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(capsys, "config", "show", "--bogus")[0] == 2
+    code, _, err = run_cli(capsys, "config", "show", "--set", "model.tp_degree")
+    assert code == 2 and "SECTION.KEY=VALUE" in err
+
+
+def fake_bench(monkeypatch: pytest.MonkeyPatch, name: str, run: object) -> None:
+    module = types.ModuleType(f"cachetier.bench.{name}")
+    module.add_arguments = lambda parser: parser.add_argument("--tokens", type=int, default=1)
+    module.run = run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+def test_bench_lookup_awaits_an_async_run(capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def run(args: object) -> dict:
+        return {"cases": [{"tokens": args.tokens, "p50_us": 120.123456}]}  # type: ignore[attr-defined]
+
+    fake_bench(monkeypatch, "lookup", run)
+    code, out, _ = run_cli(capsys, "bench", "lookup", "--json", "--tokens", "4096")
+    assert code == 0 and json.loads(out) == {"cases": [{"tokens": 4096, "p50_us": 120.123456}]}
+    code, out, _ = run_cli(capsys, "bench", "lookup", "--tokens", "7")
+    assert code == 0 and out.split() == ["tokens", "p50_us", "7", "120.1"]
+
+
+def test_bench_restore_runs_a_sync_run_and_prints_a_table(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_bench(monkeypatch, "restore", lambda args: {
+        "device": "cpu", "cases": [{"pages": 1, "gbps": 1.5}, {"pages": 64, "gbps": 12.25}]})
+    code, out, _ = run_cli(capsys, "bench", "restore")
+    assert code == 0
+    assert out.splitlines() == ["device: cpu", "pages   gbps", "    1    1.5", "   64  12.25"]
+
+
+def test_missing_bench_module_is_a_clear_error(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cachetier.bench.restore", None)
+    code, out, err = run_cli(capsys, "bench", "restore", "--json")
+    assert code == 1 and out == ""
+    assert "bench restore is not available: module cachetier.bench.restore is missing" in err

@@ -1,0 +1,133 @@
+"""The index's flows against a real redis-server: the seed's example and the basic promises."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachetier.config import CacheSpec, Config, ModelSpec
+from index.hashing import chain_hashes, namespace_root
+from index.records import CommitItem, StepPlan, StepRequest
+from index.snapshot import read_pool, sanity_check
+from index.store import PrefixIndex
+from tests.index_harness import Driver, commit_item, new_request, only, small_config
+
+SEED = Config(ModelSpec(), CacheSpec(hash_block_tokens=512, page_tokens=6144, num_pages=64))
+
+
+async def make(redis, config: Config, pool: str = "p") -> Driver:
+    index = PrefixIndex(redis, pool, config)
+    await index.create()
+    return Driver(index, config)
+
+
+async def serve(d: Driver, rid: str, tokens: list[int], chunk: int, turn_end: bool = True,
+                block: int | None = None) -> list[StepPlan]:
+    """Prefill a whole prompt in chunks the way an engine does: plan, confirm, forward, commit,
+    confirm; then release. Returns the plans of each step."""
+    block = block or d.block
+    plans = []
+    first = new_request(rid, tokens, chunk, block)
+    step: StepRequest = first
+    while True:
+        plan = await d.plan([step], {rid: tokens})
+        plans.append(plan)
+        await d.confirm(plan.ticket)
+        r = only(plan)
+        done = r.stop == len(tokens)
+        c = await d.commit([commit_item(r, r.stop, turn_end and done, True, block)])
+        await d.confirm(c.ticket)
+        if done:
+            break
+        step = StepRequest(rid, chunk)
+    await d.release([rid])
+    return plans
+
+
+async def check(d: Driver, config: Config) -> None:
+    state = await read_pool(d.index.redis, d.index.keys)
+    sanity_check(state, config.cache.num_pages, config.cache.blocks_per_page)
+
+
+async def test_seed_example_hits_at_2560_inside_a_6144_page(redis):
+    d = await make(redis, SEED)
+    doc = [7 + i % 997 for i in range(6144)]
+    await serve(d, "turn1", doc[:2600], chunk=2600)       # durable checkpoint at 2,560
+    await serve(d, "turn2", doc, chunk=6144)              # the page fills to 6,144 tokens
+    probe = doc[:2800] + [1] * 1200                        # first 2,800 tokens match
+    plan = only(await d.plan([new_request("probe", probe, 4000, 512)], {"probe": probe}))
+    assert plan.hit_tokens == 2560 and plan.start == 2560
+    cow = [c for c in plan.copies if c.dst not in plan.state_pages]
+    assert len(cow) == 1 and cow[0].offset == 0
+    assert cow[0].nbytes == 2560 * SEED.model.mla_token_bytes
+    assert cow[0].dst == plan.mla_pages[0][0]
+    restore = [c for c in plan.copies if c.dst in plan.state_pages]
+    assert [c.dst for c in restore] == plan.state_pages
+    assert all(c.nbytes == SEED.model.kda_rank_layer_bytes for c in restore)
+    await check(d, SEED)
+
+
+async def test_request_shorter_than_a_page_hits(redis):
+    config = small_config()
+    d = await make(redis, config)
+    prompt = list(range(100, 110))                        # 10 tokens < one 16-token page
+    await serve(d, "a", prompt, chunk=10)
+    again = prompt + [5, 6, 7]
+    plan = only(await d.plan([new_request("b", again, 16, 4)], {"b": again}))
+    assert plan.hit_tokens == 8                            # the last 4-token block boundary
+    await check(d, config)
+
+
+async def test_chunked_prefill_exports_each_boundary_before_finishing(redis):
+    config = small_config(num_pages=64)
+    d = await make(redis, config)
+    doc = list(range(1000, 1064))
+    plan = await d.plan([new_request("long", doc, 6, 4)], {"long": doc})
+    await d.confirm(plan.ticket)
+    stop = 0
+    for chunk_end in (6, 13, 22, 40):
+        r = d.plans["long"]
+        c = await d.commit([commit_item(r, chunk_end, False, True, 4)])
+        await d.confirm(c.ticket)
+        stop = chunk_end
+        boundary = stop // 4 * 4
+        probe = doc[:boundary + 1]
+        hit = only(await d.plan([new_request(f"p{stop}", probe, 1, 4)], {f"p{stop}": probe}))
+        assert hit.hit_tokens == boundary, (stop, hit.hit_tokens)
+        await d.release([f"p{stop}"])
+        nxt = await d.plan([StepRequest("long", {6: 7, 13: 9, 22: 18, 40: 10}[stop])], {})
+        await d.confirm(nxt.ticket)
+    await check(d, config)
+
+
+async def test_namespaces_never_share_an_entry(redis):
+    config = small_config()
+    d = await make(redis, config)
+    prompt = list(range(40))
+    await serve(d, "a", prompt, chunk=40)
+    other = namespace_root("test-model", tenant_salt="tenant-b")
+    req = StepRequest("b", 40, 40, chain_hashes(prompt, other, 4))
+    assert only(await d.plan([req], {"b": prompt})).hit_tokens == 0
+    longer = prompt + [1]
+    same = only(await d.plan([new_request("c", longer, 41, 4)], {"c": longer}))
+    assert same.hit_tokens == 40
+
+
+async def test_full_attention_pool_hits_without_checkpoints(redis):
+    config = small_config(kda_groups=0)
+    d = await make(redis, config)
+    prompt = list(range(50))
+    await serve(d, "a", prompt, chunk=50)
+    plan = only(await d.plan([new_request("b", prompt[:30], 30, 4)], {"b": prompt[:30]}))
+    assert plan.hit_tokens == 28 and plan.state_pages == [] and plan.checkpoint_pages == []
+
+
+async def test_two_mla_groups_copy_on_write_in_each_group(redis):
+    config = small_config(mla_groups=2)
+    d = await make(redis, config)
+    prompt = list(range(200, 230))
+    await serve(d, "a", prompt[:22], chunk=22)             # checkpoint at 20, inside page 2
+    plan = only(await d.plan([new_request("b", prompt, 30, 4)], {"b": prompt}))
+    assert plan.hit_tokens == 20
+    cow = [c for c in plan.copies if c.dst not in plan.state_pages]
+    assert sorted(c.dst for c in cow) == sorted([plan.mla_pages[0][1], plan.mla_pages[1][1]])
+    await check(d, config)

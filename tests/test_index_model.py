@@ -1,0 +1,216 @@
+"""Hypothesis state machine: the Lua scripts on a real redis-server against the in-memory reference.
+
+Random steps (new and continuing requests, batched), commits at random chunk ends with or without
+checkpoints, confirms in any order, releases, explicit evictions and pool invalidations. After every
+operation both must have answered the same (page ids included), the whole Redis state must equal the
+reference's, `sanity_check` must pass (refcounts = holders, never negative, no page both free and
+referenced, leaf-first tree intact, checkpoints anchored), and the byte model must show that every
+hit's pages hold exactly the declared prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from redis.asyncio import BlockingConnectionPool, Redis
+
+from cachetier.config import Config
+from index.errors import CacheIndexError
+from index.records import CommitItem, StepPlan, StepRequest
+from index.reference import ReferenceIndex
+from index.snapshot import read_pool, sanity_check
+from index.store import PrefixIndex
+from tests.index_harness import Driver, new_request, small_config
+
+
+class ReferenceAdapter:
+    """The reference model behind PrefixIndex's async signatures, tracking the epoch the same way."""
+
+    def __init__(self, config: Config) -> None:
+        self.model = ReferenceIndex(config)
+        self.epoch = self.model.s.epoch
+
+    async def plan_step(self, requests):
+        return self.model.plan_step(self.epoch, requests)
+
+    async def commit(self, items):
+        return self.model.commit(self.epoch, items)
+
+    async def confirm(self, ticket):
+        return self.model.confirm(self.epoch, ticket)
+
+    async def release(self, rids):
+        return self.model.release(self.epoch, rids)
+
+    async def evict(self, count):
+        return self.model.evict(self.epoch, count)
+
+    async def invalidate(self):
+        self.epoch = self.model.invalidate()
+        return self.epoch
+
+
+def prompt(doc: int, length: int, branch: int | None, variant: int) -> list[int]:
+    tokens = [doc * 1000 + i for i in range(length)]
+    if branch is not None and branch < length:
+        tokens[branch] = 90000 + variant
+    return tokens
+
+
+class IndexMachine(RuleBasedStateMachine):
+    config: Config
+    redis_url: str
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        pool = BlockingConnectionPool.from_url(self.redis_url, max_connections=4)
+        self.redis = Redis(connection_pool=pool)
+        self.loop.run_until_complete(self.redis.flushall())
+        real = PrefixIndex(self.redis, "m", self.config)
+        self.loop.run_until_complete(real.create())
+        self.real = Driver(real, self.config)
+        self.ref = Driver(ReferenceAdapter(self.config), self.config)
+        self.status: dict[str, str] = {}
+        self.tickets: list[int] = []
+        self.serial = 0
+
+    def teardown(self) -> None:
+        self.loop.run_until_complete(self.redis.aclose(close_connection_pool=True))
+        self.loop.close()
+
+    def both(self, op: str, *args):
+        """Run one operation on both sides; they must agree on the result or on the error."""
+        outcomes = []
+        for driver in (self.real, self.ref):
+            try:
+                outcomes.append(self.loop.run_until_complete(getattr(driver, op)(*args)))
+            except CacheIndexError as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1], f"{op}: redis {outcomes[0]!r} != reference {outcomes[1]!r}"
+        return outcomes[0]
+
+    @rule(data=st.data())
+    def step(self, data) -> None:
+        block = self.config.cache.hash_block_tokens
+        requests, tokens = [], {}
+        for _ in range(data.draw(st.integers(0, 2), label="new")):
+            self.serial += 1
+            rid = f"r{self.serial}"
+            toks = prompt(data.draw(st.integers(0, 2)), data.draw(st.integers(1, 70)),
+                          data.draw(st.none() | st.integers(0, 69)), data.draw(st.integers(0, 1)))
+            requests.append(new_request(rid, toks, data.draw(st.integers(1, 40)), block,
+                                        data.draw(st.booleans())))
+            tokens[rid] = toks
+        for rid, state in sorted(self.status.items()):
+            if state == "committed" and data.draw(st.booleans(), label=f"continue {rid}"):
+                requests.append(StepRequest(rid, data.draw(st.integers(1, 40))))
+        result = self.both("plan", requests, tokens)
+        if isinstance(result, StepPlan):
+            self.tickets.append(result.ticket)
+            for r in result.requests:
+                self.status[r.rid] = "planned"
+
+    @rule(doc=st.integers(0, 2), length=st.integers(1, 70), branch=st.none() | st.integers(0, 69),
+          variant=st.integers(0, 1), chunk=st.integers(1, 40), keep=st.booleans())
+    def serve(self, doc, length, branch, variant, chunk, keep) -> None:
+        """A whole prefill the way an engine runs it, so later requests find a warm cache."""
+        self.serial += 1
+        rid = f"s{self.serial}"
+        toks = prompt(doc, length, branch, variant)
+        block = self.config.cache.hash_block_tokens
+        step = new_request(rid, toks, chunk, block)
+        while True:
+            plan = self.both("plan", [step], {rid: toks})
+            if not isinstance(plan, StepPlan):
+                break
+            self.both("confirm", plan.ticket)
+            (r,) = plan.requests
+            ck = r.stop // block * block
+            item = CommitItem(rid, r.stop, ck if r.checkpoint_pages else 0, r.stop == length)
+            self.both("confirm", self.both("commit", [item]).ticket)
+            if r.stop == length:
+                break
+            step = StepRequest(rid, chunk)
+        if keep and isinstance(plan, StepPlan):
+            self.status[rid] = "done" if r.stop == length else "committed"
+        else:
+            self.both("release", [rid])
+
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        planned = sorted(rid for rid, s in self.status.items() if s == "planned")
+        if not planned:
+            return
+        block = self.config.cache.hash_block_tokens
+        items = []
+        for rid in data.draw(st.lists(st.sampled_from(planned), min_size=1, unique=True)):
+            plan = self.real.plans[rid]
+            stop = data.draw(st.integers(plan.start + 1, plan.stop))
+            ck = stop // block * block
+            with_ck = bool(plan.checkpoint_pages) and ck > plan.start and data.draw(st.booleans())
+            items.append(CommitItem(rid, stop, ck if with_ck else 0, data.draw(st.booleans())))
+        result = self.both("commit", items)
+        self.tickets.append(result.ticket)
+        for item in items:
+            done = item.stop == len(self.real.tokens[item.rid])
+            self.status[item.rid] = "done" if done else "committed"
+
+    @rule(data=st.data())
+    def confirm(self, data) -> None:
+        if self.tickets:
+            ticket = data.draw(st.sampled_from(self.tickets))
+            self.tickets.remove(ticket)
+            self.both("confirm", ticket)
+
+    @rule(data=st.data())
+    def release(self, data) -> None:
+        if self.status:
+            rids = data.draw(st.lists(st.sampled_from(sorted(self.status)), min_size=1, max_size=3,
+                                      unique=True))
+            self.both("release", rids)
+            for rid in rids:
+                del self.status[rid]
+
+    @rule(count=st.integers(1, 4))
+    def evict(self, count: int) -> None:
+        self.both("evict", count)
+
+    @rule(data=st.data())
+    def continue_uncommitted_is_refused(self, data) -> None:
+        planned = sorted(rid for rid, s in self.status.items() if s == "planned")
+        if planned:
+            outcome = self.both("plan", [StepRequest(data.draw(st.sampled_from(planned)), 1)], {})
+            assert isinstance(outcome, type) and issubclass(outcome, ValueError)
+
+    @rule()
+    def invalidate(self) -> None:
+        for driver in (self.real, self.ref):
+            self.loop.run_until_complete(driver.index.invalidate())
+            driver.invalidated()
+        self.status.clear()
+        self.tickets.clear()
+
+    @invariant()
+    def redis_equals_reference_and_is_sane(self) -> None:
+        state = self.loop.run_until_complete(read_pool(self.redis, self.real.index.keys))
+        expected = self.ref.index.model.s
+        for name in ("epoch", "tick", "ticket", "fresh", "free", "ep", "ck", "lru", "reqh", "tix", "pages", "req"):
+            assert getattr(state, name) == getattr(expected, name), f"{name} differs"
+        sanity_check(state, self.config.cache.num_pages, self.config.cache.blocks_per_page)
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(small_config(num_pages=64), id="kda3-mla1"),
+    pytest.param(small_config(kda_groups=2, mla_groups=2, num_pages=56), id="kda2-mla2"),
+    pytest.param(small_config(kda_groups=0, num_pages=24), id="full-attention"),
+])
+def test_scripts_match_reference(redis_url, config) -> None:
+    machine = type("Machine", (IndexMachine,), {"config": config, "redis_url": redis_url})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=40, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -1,0 +1,251 @@
+"""Kernels against their references and a naive oracle, on every backend this machine can run.
+
+Targets: the torch fallback (CPU), the Triton interpreter (CPU, `TRITON_INTERPRET=1` set for the test
+only: launchers jit lazily, so the same process runs it) and compiled Triton on CUDA (marker `gpu`).
+Each test asserts which backend actually ran. Interpreter cases stay small: it moves tens of MB/s.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from kernels import head_reshard, page_copy
+from kernels._launch import LazyJit, block_rule, word_width
+from kernels.head_reshard_ref import head_reshard_ref
+from kernels.page_copy_ref import LOOP_MIN_BYTES, page_copy_ref
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str
+    backend: str
+
+
+TARGETS = [
+    pytest.param(("cpu", False), id="torch-cpu"),
+    pytest.param(("cpu", True), id="triton-interpreter"),
+    pytest.param(("cuda", False), id="triton-cuda", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+
+
+@pytest.fixture(params=TARGETS)
+def target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
+    device, interpret = request.param
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    yield Target(device, "torch" if device == "cpu" and not interpret else "triton")
+
+
+def filled(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A uint8 buffer holding random values of `dtype` (bf16/fp32 bit patterns, not just bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape[:-1] + (shape[-1] // dtype.itemsize,), generator=g).to(dtype)
+    return values.view(torch.uint8)
+
+
+def naive_copy(src: torch.Tensor, dst: torch.Tensor, rows: list[tuple[int, int, int, int]]) -> None:
+    for s, d, offset, count in rows:
+        dst[:, d, offset:offset + count] = src[:, s, offset:offset + count]
+
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+COPY_CASES = {
+    "restore-full-pages": ((2, 16, 4096), [(0, 8, 0, 4096), (3, 9, 0, 4096), (5, 10, 0, 4096)]),
+    "cow-prefix-ends-inside-page": ((2, 16, 4096), [(1, 12, 0, 48 * 64), (2, 13, 0, 16 * 64)]),
+    "odd-offsets-odd-counts": ((3, 9, 1012), [(0, 4, 3, 1001), (1, 5, 1011, 1), (2, 6, 7, 13)]),
+    "zero-count-rows": ((2, 8, 256), [(0, 4, 0, 0), (1, 5, 16, 64), (2, 6, 256, 0)]),
+    "many-pairs": ((2, 300, 64), [(i, 150 + i, i % 7, 64 - i % 7) for i in range(150)]),
+    "same-range-groups": ((2, 40, 512), [(i, 20 + i, 64 * (i % 3), 128) for i in range(20)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(COPY_CASES))
+def test_page_copy_matches_reference(target: Target, case: str, dtype: torch.dtype) -> None:
+    shape, rows = COPY_CASES[case]
+    buf = filled(shape, dtype, seed=1).to(target.device)
+    expected = buf.cpu().clone()
+    naive_copy(expected.clone(), expected, rows)
+    assert page_copy(buf, buf, rows) == target.backend
+    assert torch.equal(buf.cpu(), expected)
+    ref = filled(shape, dtype, seed=1)
+    page_copy_ref(ref, ref, torch.tensor(rows))
+    assert torch.equal(ref, expected)
+
+
+def test_page_copy_between_buffers_of_different_geometry(target: Target) -> None:
+    src = filled((2, 5, 4096), torch.bfloat16, seed=2).to(target.device)
+    dst = torch.zeros(2, 7, 2048, dtype=torch.uint8, device=target.device)
+    rows = [(4, 0, 0, 2048), (0, 6, 512, 1000)]
+    assert page_copy(src, dst, rows) == target.backend
+    expected = torch.zeros(2, 7, 2048, dtype=torch.uint8)
+    naive_copy(src.cpu(), expected, rows)
+    assert torch.equal(dst.cpu(), expected)
+
+
+@pytest.mark.parametrize("batch", [[], torch.empty(0, 4, dtype=torch.int64)], ids=["list", "tensor"])
+def test_empty_batch_is_a_noop(target: Target, batch: Any) -> None:
+    buf = filled((2, 4, 64), torch.float32, seed=3).to(target.device)
+    before = buf.clone()
+    assert page_copy(buf, buf, batch) == target.backend
+    assert torch.equal(buf, before)
+
+
+def test_large_ranges_take_the_per_pair_path_and_match() -> None:
+    rows = [(0, 2, 8, LOOP_MIN_BYTES // 2), (1, 3, 0, LOOP_MIN_BYTES // 2 + 8)]
+    buf = filled((2, 4, LOOP_MIN_BYTES), torch.float32, seed=4)
+    expected = buf.clone()
+    naive_copy(buf.clone(), expected, rows)
+    page_copy_ref(buf, buf, torch.tensor(rows))
+    assert torch.equal(buf, expected)
+
+
+BAD_BATCHES = {
+    "src-page-past-end": ([(4, 1, 0, 8)], "src_page out of range"),
+    "negative-dst-page": ([(0, -1, 0, 8)], "dst_page out of range"),
+    "range-past-page-end": ([(0, 1, 60, 8)], "outside a 64-byte page"),
+    "negative-offset": ([(0, 1, -1, 8)], "outside"),
+    "negative-count": ([(0, 1, 0, -8)], "outside"),
+    "dst-page-is-a-src-page": ([(0, 1, 0, 8), (1, 2, 0, 8)], "also a source page"),
+    "wrong-columns": ([(0, 1, 0)], r"shape \[n, 4\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCHES))
+def test_page_copy_rejects_bad_batches(case: str) -> None:
+    rows, message = BAD_BATCHES[case]
+    buf = torch.zeros(2, 4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        page_copy(buf, buf, rows)
+
+
+@pytest.mark.parametrize("src, dst, message", [
+    (torch.zeros(2, 4, 16), torch.zeros(2, 4, 64, dtype=torch.uint8), "uint8"),
+    (torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 4, 64, dtype=torch.uint8),
+     "slots, pages, bytes"),
+    (torch.zeros(3, 4, 64, dtype=torch.uint8), torch.zeros(2, 4, 64, dtype=torch.uint8), "layer slots"),
+], ids=["float-buffer", "2d-buffer", "slot-mismatch"])
+def test_page_copy_rejects_bad_buffers(src: torch.Tensor, dst: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        page_copy(src, dst, [(0, 1, 0, 8)])
+
+
+def test_fallback_is_logged_once(monkeypatch: pytest.MonkeyPatch,
+                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr("kernels._launch._fell_back", set())
+    buf = torch.zeros(1, 4, 16, dtype=torch.uint8)
+    with caplog.at_level(logging.INFO, logger="kernels"):
+        page_copy(buf, buf, [(0, 1, 0, 16)])
+        page_copy(buf, buf, [(2, 3, 0, 16)])
+    assert [r.message for r in caplog.records if "page_copy" in r.message] == [
+        "page_copy: tensors on cpu and TRITON_INTERPRET!=1, using the torch reference"]
+
+
+def test_interpreter_really_is_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(LazyJit(naive_copy).kernel(), InterpretedFunction)
+
+
+@pytest.mark.parametrize("quantities, width", [
+    ((0, 4096), 8), ((4, 4096), 4), ((2, 6), 2), ((3, 4096), 1),
+], ids=["aligned", "int32", "int16", "odd"])
+def test_word_width_is_the_widest_common_divisor(quantities: tuple[int, ...], width: int) -> None:
+    assert word_width((torch.zeros(2, 4, 4096, dtype=torch.uint8),), quantities) == width
+
+
+@pytest.mark.parametrize("max_bytes, width, expected", [
+    (1, 1, (1, 1)), (1000, 8, (128, 1)), (4096, 8, (512, 2)), (3 << 20, 8, (2048, 8)),
+    (3 << 20, 1, (16384, 8)),
+], ids=["one-byte", "odd-kb", "page", "kimi-head-range", "bytes"])
+def test_block_rule(max_bytes: int, width: int, expected: tuple[int, int]) -> None:
+    assert block_rule(max_bytes, width) == expected
+
+
+# head_reshard on small pages: 6 heads of 24 bytes (fp32 2x3 or bf16 3x4), i.e. odd word widths
+HEAD_CASES = {
+    # name: (src_heads, dst_heads, heads moved or None for the overlap)
+    "overlap-at-start": (range(0, 6), range(0, 3), None),
+    "overlap-in-middle": (range(0, 6), range(2, 4), None),
+    "uneven-overlap": (range(3, 6), range(2, 5), None),
+    "explicit-subset": (range(0, 6), range(0, 6), range(1, 4)),
+    "gather-to-staging": (range(0, 6), range(4, 6), None),
+    "disjoint-is-noop": (range(0, 3), range(3, 6), None),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+def test_head_reshard_matches_reference(target: Target, case: str, dtype: torch.dtype) -> None:
+    src_heads, dst_heads, heads = HEAD_CASES[case]
+    hb = 24
+    src = filled((3, 5, 6 * hb + 8), dtype, seed=5).to(target.device)
+    dst = filled((3, 4, len(dst_heads) * hb), dtype, seed=6).to(target.device)
+    pages = [(4, 0), (1, 3), (2, 2)]
+    expected = dst.cpu().clone()
+    moved = heads or range(max(src_heads.start, dst_heads.start), min(src_heads.stop, dst_heads.stop))
+    for s, d in pages:
+        for h in moved:
+            so, do = (h - src_heads.start) * hb, (h - dst_heads.start) * hb
+            expected[:, d, do:do + hb] = src.cpu()[:, s, so:so + hb]
+    backend = head_reshard(src, dst, pages, head_bytes=hb, src_heads=src_heads, dst_heads=dst_heads,
+                           heads=heads)
+    assert backend == target.backend
+    assert torch.equal(dst.cpu(), expected)
+
+
+def test_head_reshard_ref_copies_the_contiguous_head_range() -> None:
+    src = filled((2, 3, 96), torch.float32, seed=7)
+    dst = torch.zeros(2, 3, 64, dtype=torch.uint8)
+    head_reshard_ref(src, dst, torch.tensor([[2, 1]]), src_offset=32, dst_offset=16, nbytes=48)
+    assert torch.equal(dst[:, 1, 16:64], src[:, 2, 32:80])
+    assert not dst[:, 1, :16].any() and not dst[:, [0, 2]].any()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(head_bytes=0, src_heads=range(4), dst_heads=range(4)), "head_bytes"),
+    (dict(head_bytes=16, src_heads=range(5), dst_heads=range(4)), "src_heads"),
+    (dict(head_bytes=16, src_heads=range(4), dst_heads=range(0, 4, 2)), "dst_heads"),
+    (dict(head_bytes=16, src_heads=range(2), dst_heads=range(4), heads=range(1, 3)),
+     "not held by both"),
+], ids=["zero-head-bytes", "src-heads-overflow-page", "strided-heads", "heads-outside-overlap"])
+def test_head_reshard_rejects_bad_ranges(kwargs: dict[str, Any], message: str) -> None:
+    src, dst = torch.zeros(2, 4, 64, dtype=torch.uint8), torch.zeros(2, 4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        head_reshard(src, dst, [(0, 1)], **kwargs)
+
+
+def test_head_reshard_rejects_pages_out_of_range() -> None:
+    src, dst = torch.zeros(2, 4, 64, dtype=torch.uint8), torch.zeros(2, 2, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="dst_page out of range"):
+        head_reshard(src, dst, [(0, 2)], head_bytes=16, src_heads=range(4), dst_heads=range(4))
+
+
+@pytest.mark.parametrize("kernel", ["page_copy", "head_reshard"])
+def test_kernel_compiles_for_hopper_without_a_gpu(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter skips Triton's type checks and codegen: compile to sm_90 here (bundled ptxas)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = importlib.import_module(f"kernels.{kernel}")._KERNEL.kernel()
+    signature = {name: "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}
+    signature["BLOCK"] = "constexpr"
+    compiled = triton.compile(ASTSource(fn, signature, {"BLOCK": 2048}),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "enable_fp_fusion": False})
+    assert "ld.global" in compiled.asm["ptx"] and compiled.asm["cubin"]

@@ -1,0 +1,110 @@
+"""Exact byte layout of pages: head streams, token ranges, page size, buffer addressing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cachetier.config import PRESETS, CacheSpec, ModelSpec
+from gpu_pool.layout import ByteRange, PageLayout
+
+TINY = PageLayout.from_specs(PRESETS["tiny"].model, PRESETS["tiny"].cache)
+KIMI = PageLayout.from_specs(PRESETS["kimi-k3"].model, PRESETS["kimi-k3"].cache)
+
+
+def kimi_at(tp_degree: int) -> PageLayout:
+    cfg = PRESETS["kimi-k3"]
+    return PageLayout.from_specs(dataclasses.replace(cfg.model, tp_degree=tp_degree), cfg.cache)
+
+
+@pytest.mark.parametrize("layout", [TINY, KIMI], ids=["tiny", "kimi-k3"])
+def test_one_page_size_holds_either_type(layout: PageLayout) -> None:
+    geo = layout.geometry
+    assert layout.page_bytes == geo.page_bytes >= max(geo.mla_page_bytes, geo.kda_page_bytes)
+    assert layout.page_bytes % layout.cache.page_alignment == 0
+    assert layout.buffer_shape == (layout.model.layers_per_group, layout.cache.num_pages,
+                                   geo.page_bytes)
+
+
+def test_tiny_pages_are_full_for_both_types() -> None:
+    assert TINY.page_bytes == TINY.geometry.mla_page_bytes == TINY.geometry.kda_page_bytes == 4096
+
+
+def test_kimi_sizes_match_the_seed() -> None:
+    assert KIMI.head_bytes == 128 * 128 * 2
+    assert KIMI.geometry.kda_page_bytes == 96 * 128 * 128 * 2
+    assert KIMI.geometry.mla_page_bytes == 6144 * 576 * 2 == KIMI.page_bytes
+
+
+@pytest.mark.parametrize("tp_degree", [1, 2, 4, 8, 3], ids=lambda d: f"tp{d}")
+def test_head_streams_tile_each_ranks_kda_page(tp_degree: int) -> None:
+    layout = kimi_at(tp_degree)
+    for rank in range(tp_degree):
+        heads = layout.rank_heads(rank)
+        streams = [layout.kda_head_range(h, rank) for h in heads]
+        assert streams[0].offset == 0
+        assert all(a.end == b.offset for a, b in zip(streams, streams[1:]))
+        assert streams[-1].end == layout.geometry.kda_page_bytes
+        assert not any(a.overlaps(b) for a, b in zip(streams, streams[1:]))
+
+
+def test_head_stream_offsets_are_exact() -> None:
+    layout = kimi_at(4)
+    assert layout.rank_heads(2) == range(48, 72)
+    assert layout.kda_head_range(48, rank=2) == ByteRange(0, 32768)
+    assert layout.kda_head_range(50, rank=2) == ByteRange(2 * 32768, 32768)
+    assert TINY.kda_head_range(3) == ByteRange(3 * 1024, 1024)
+
+
+@pytest.mark.parametrize("head, rank", [(0, 1), (24, 0), (96, 3)], ids=["below", "above", "past-end"])
+def test_head_not_on_rank_is_rejected(head: int, rank: int) -> None:
+    with pytest.raises(ValueError, match="not on rank"):
+        kimi_at(4).kda_head_range(head, rank)
+
+
+def test_rank_out_of_range_is_rejected() -> None:
+    with pytest.raises(ValueError, match="rank 4"):
+        kimi_at(4).rank_heads(4)
+
+
+@pytest.mark.parametrize("start, stop, expected", [
+    (0, 64, ByteRange(0, 4096)),
+    (0, 48, ByteRange(0, 48 * 64)),
+    (16, 32, ByteRange(16 * 64, 16 * 64)),
+    (5, 5, ByteRange(5 * 64, 0)),
+], ids=["whole-page", "prefix-48", "middle-block", "empty"])
+def test_mla_token_ranges_are_exact(start: int, stop: int, expected: ByteRange) -> None:
+    assert TINY.mla_token_range(start, stop) == expected
+
+
+def test_kimi_prefix_of_the_seed_example() -> None:
+    assert KIMI.mla_token_range(0, 2560) == ByteRange(0, 2560 * 576 * 2)
+
+
+@pytest.mark.parametrize("start, stop", [(-1, 3), (3, 2), (0, 65)],
+                         ids=["negative", "reversed", "past-page"])
+def test_bad_token_ranges_are_rejected(start: int, stop: int) -> None:
+    with pytest.raises(ValueError, match="token range"):
+        TINY.mla_token_range(start, stop)
+
+
+def test_buffer_range_addresses_slot_then_page() -> None:
+    within = TINY.kda_head_range(2)
+    assert TINY.buffer_range(page=5, slot=1, within=within) == ByteRange((256 + 5) * 4096 + 2048, 1024)
+
+
+@pytest.mark.parametrize("page, slot, within", [
+    (256, 0, ByteRange(0, 1)), (0, 2, ByteRange(0, 1)), (0, 0, ByteRange(4000, 100)),
+], ids=["page", "slot", "bytes"])
+def test_buffer_range_rejects_out_of_range(page: int, slot: int, within: ByteRange) -> None:
+    with pytest.raises(ValueError):
+        TINY.buffer_range(page, slot, within)
+
+
+def test_misaligned_page_size_is_rejected() -> None:
+    model = ModelSpec(kda_heads=1, kda_head_k_dim=1, kda_head_v_dim=1, mla_latent_dim=3,
+                      mla_dtype="bfloat16")
+    cache = CacheSpec(hash_block_tokens=1, page_tokens=3, page_alignment=1)
+    with pytest.raises(ValueError, match="misaligned"):
+        PageLayout.from_specs(model, cache)
