@@ -38,6 +38,11 @@ class PoolState:
     req: dict[str, dict[str, Any]] = field(default_factory=dict)
     reqh: dict[str, bytes] = field(default_factory=dict)
     tix: dict[int, list[str]] = field(default_factory=dict)
+    lru_page_count: int = 0
+
+    def lru_pages(self) -> int:
+        """Pages held by eviction-order members: what Redis keeps as meta.lru_pages."""
+        return sum(len(self.pages[lead]["pages"]) for lead in self.lru)
 
 
 class ReferenceIndex:
@@ -252,7 +257,8 @@ class ReferenceIndex:
                               and p["stop"] // self.B > p["start"] // self.B)
             need += p["new_slots"] * self.mla + (self.kda if p["want_ckpt"] else 0)
             plans.append(p)
-        available = self._free_count() + len(self.s.lru) - len(pinned_in_lru)
+        pinned_pages = sum(len(self.s.pages[i]["pages"]) for i in pinned_in_lru)
+        available = self._free_count() + self.s.lru_pages() - pinned_pages
         if available < need:
             return StepRefusal(f"pool exhausted: the step needs {need} pages, {available} are "
                                "free or evictable", need, available)

@@ -36,6 +36,7 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
         req={k.decode(): _request(msgpack.unpackb(v, raw=True)) for k, v in req.items()},
         reqh={k.decode(): v for k, v in reqh.items()},
         tix={int(k): [r.decode() for r in msgpack.unpackb(v, raw=True)] for k, v in tix.items()},
+        lru_page_count=meta["lru_pages"],
     )
 
 
@@ -84,6 +85,7 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
         assert rec["k"] == "K" and rec["h"] == h, "checkpoint record mismatch"
         assert h in state.ep and state.ep[h][0] == rec["anchor"], "checkpoint without its MLA endpoint"
         assert h in leads[rec["anchor"]]["cks"], "anchor does not list its checkpoint"
+    assert state.lru_page_count == state.lru_pages(), "meta.lru_pages out of step with the LRU"
     pins = _expected_pins(state)
     for lead, rec in leads.items():
         assert rec["ref"] == pins.get(lead, 0), f"page {lead} refcount {rec['ref']} != holders {pins.get(lead, 0)}"

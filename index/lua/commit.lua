@@ -95,7 +95,7 @@ local function register_checkpoint(rid, r, blob, blocks, turn_end, p)
   local ck_lead = r.ck
   r.ck = -1
   if existing or e == nil then
-    free_set(get_rec(ck_lead))
+    free_set(m, get_rec(ck_lead))
     if existing and turn_end == 1 then
       local rec = get_rec(tonumber(existing))
       if rec.dur == 0 then
@@ -140,7 +140,7 @@ for n, item in ipairs(batch) do
   if item.ckpt_tokens > 0 then
     ck_state = register_checkpoint(item.rid, r, blob, item.ckpt_tokens / B, item.turn_end, p)
   elseif r.ck >= 0 then
-    free_set(get_rec(r.ck))
+    free_set(m, get_rec(r.ck))
     r.ck = -1
   end
   r.pend[#r.pend + 1] = p

@@ -38,7 +38,7 @@ if redis.call("EXISTS", K_META) == 1 then
     end
   end
 else
-  redis.call("HSET", K_META, "epoch", 1, "fresh", 0, "tick", 0, "ticket", 0)
+  redis.call("HSET", K_META, "epoch", 1, "fresh", 0, "tick", 0, "ticket", 0, "lru_pages", 0)
 end
 for field, value in pairs(given) do redis.call("HSET", K_META, field, value) end
 return tonumber(redis.call("HGET", K_META, "epoch"))

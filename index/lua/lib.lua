@@ -80,12 +80,13 @@ local function evictable(rec)
 end
 
 -- The single place that decides LRU membership: call after every change to a lead record.
+-- meta.lru_pages counts the pages of every member, so a step's capacity check is O(1).
 local function save_lead(m, id, rec)
   put_rec(id, rec)
   if evictable(rec) then
-    redis.call("ZADD", K_LRU, score(m, rec), id)
+    m.lru_pages = m.lru_pages + #rec.pages * redis.call("ZADD", K_LRU, score(m, rec), id)
   else
-    redis.call("ZREM", K_LRU, id)
+    m.lru_pages = m.lru_pages - #rec.pages * redis.call("ZREM", K_LRU, id)
   end
 end
 
@@ -109,12 +110,12 @@ local function alloc_set(m, kind, n, owner)
   return ids[1], ids
 end
 
-local function free_set(rec)
+local function free_set(m, rec)
   for _, id in ipairs(rec.pages) do
     redis.call("HDEL", K_PAGES, id)
     redis.call("RPUSH", K_FREE, id)
   end
-  redis.call("ZREM", K_LRU, rec.pages[1])
+  m.lru_pages = m.lru_pages - #rec.pages * redis.call("ZREM", K_LRU, rec.pages[1])
 end
 
 local function remove_from(list, value)
@@ -135,7 +136,7 @@ local function drop_checkpoint(m, h, removed)
     if rec.dur == 1 then anchor.dur = anchor.dur - 1 end
     save_lead(m, rec.anchor, anchor)
   end
-  free_set(rec)
+  free_set(m, rec)
   removed[#removed + 1] = {"ck", h}
 end
 
@@ -153,7 +154,7 @@ local function drop_mla(m, id, rec, removed)
     if rec.lu > parent.lu then parent.lu = rec.lu end
     save_lead(m, rec.par, parent)
   end
-  free_set(rec)
+  free_set(m, rec)
 end
 
 local function evict_one(m, removed)
@@ -166,7 +167,8 @@ local function evict_one(m, removed)
 end
 
 local function save_meta(m)
-  redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket)
+  redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket,
+             "lru_pages", m.lru_pages)
 end
 
 local function pin(m, id)

@@ -102,7 +102,7 @@ for n, item in ipairs(batch) do
     end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared
     for _, id in ipairs({p.anchor, p.ckpt}) do
-      if id >= 0 and redis.call("ZSCORE", K_LRU, id) then pinned_in_lru[id] = true end
+      if id >= 0 and redis.call("ZSCORE", K_LRU, id) then pinned_in_lru[id] = #get_rec(id).pages end
     end
     need = need + m.kda_groups
   else
@@ -116,9 +116,10 @@ for n, item in ipairs(batch) do
   plans[n] = p
 end
 
-local pinned_count = 0
-for _ in pairs(pinned_in_lru) do pinned_count = pinned_count + 1 end
-local available = free_count(m) + redis.call("ZCARD", K_LRU) - pinned_count
+-- A lower bound on what eviction can free: every member frees at least its own page set.
+local pinned_pages = 0
+for _, n in pairs(pinned_in_lru) do pinned_pages = pinned_pages + n end
+local available = free_count(m) + m.lru_pages - pinned_pages
 if available < need then
   return reply({ok = 0, reason = "pool exhausted: the step needs " .. need .. " pages, " .. available ..
                 " are free or evictable", need = need, available = available})

@@ -33,7 +33,7 @@ end
 
 local function release_page(lead)
   local rec = get_rec(lead)
-  if rec.st == "private" then free_set(rec) return end
+  if rec.st == "private" then free_set(m, rec) return end
   local keep = roll_back(rec)
   rec = get_rec(lead)  -- roll_back may have rewritten this record's anchored checkpoints
   rec.eps, rec.fill = keep, rec.rf
@@ -43,7 +43,7 @@ local function release_page(lead)
       parent.kids = parent.kids - 1
       save_lead(m, rec.par, parent)
     end
-    free_set(rec)
+    free_set(m, rec)
     return
   end
   rec.owner = ""
@@ -60,8 +60,8 @@ for _, rid in ipairs(rids) do
     end
     for s = #r.mla, r.shared + 1, -1 do release_page(r.mla[s]) end
     if r.pin >= 0 then unpin(m, r.pin) end
-    if r.state >= 0 then free_set(get_rec(r.state)) end
-    if r.ck >= 0 then free_set(get_rec(r.ck)) end
+    if r.state >= 0 then free_set(m, get_rec(r.state)) end
+    if r.ck >= 0 then free_set(m, get_rec(r.ck)) end
     redis.call("HDEL", K_REQ, rid)
     redis.call("HDEL", K_REQH, rid)
     released = released + 1

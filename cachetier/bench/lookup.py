@@ -1,0 +1,308 @@
+"""`cachetier bench lookup`: latency of one `plan_step` next to a bare Redis round trip.
+
+Every request of a step is the next turn of a conversation whose first turn (all but the last
+`STEP_TOKENS` tokens) was served with the engine's real flow: plan, confirm, commit with a durable
+turn-end checkpoint, confirm, release. The measured step looks the whole prompt up, must hit at that
+boundary, and computes the last `STEP_TOKENS` tokens. Its client-side latency (hashes precomputed;
+the confirm and release that undo it run outside the timed region) is reported next to a bare
+EVALSHA of `return 1` timed just before it on the same connection, so the ratio says how much a
+lookup costs beyond the round trip that no design can avoid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from redis.asyncio import ConnectionPool, Redis
+
+from cachetier.cli import add_config_arguments, config_from_args
+from cachetier.config import Config
+from cachetier.servers import RedisServer
+from index.hashing import chain_hashes, hash_len, namespace_root
+from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
+from index.store import PrefixIndex
+
+STEP_TOKENS = 512
+TOKENS = (4096, 131072, 1048576)
+BATCHES = (1, 64)
+QUICK_TOKENS = (4096, 16384)
+QUICK_BATCHES = (1, 4)
+SCRIPT_COMMANDS = ("cmdstat_evalsha", "cmdstat_evalsha_ro", "cmdstat_eval", "cmdstat_eval_ro")
+HASH_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Case:
+    tokens: int
+    batch: int
+    reps: int
+    warmup: int
+
+
+def default_reps(tokens: int, batch: int, quick: bool) -> int:
+    """200 steps give a p99 from the two slowest; the biggest steps (tens of ms) get fewer so the
+    default run stays within a few minutes on a small machine."""
+    if quick:
+        return 20
+    return 200 if tokens * batch <= 2**24 else 60
+
+
+def build_cases(args: argparse.Namespace) -> list[Case]:
+    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
+    batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
+    cases = []
+    for n in tokens:
+        for b in batches:
+            reps = args.repeats or default_reps(n, b, args.quick)
+            cases.append(Case(n, b, reps, warmup=max(2, reps // 10)))
+    return cases
+
+
+def check_geometry(config: Config, cases: Sequence[Case]) -> None:
+    """The cached boundary (prompt minus STEP_TOKENS) must be a hash-block boundary, or no hit
+    at it is possible and the benchmark would measure a miss."""
+    block = config.cache.hash_block_tokens
+    for case in cases:
+        if case.tokens <= STEP_TOKENS or (case.tokens - STEP_TOKENS) % block:
+            raise ValueError(f"--tokens {case.tokens}: must exceed {STEP_TOKENS} by a positive "
+                             f"multiple of the {block}-token hash block")
+        if case.batch > config.cache.max_batch:
+            raise ValueError(f"--batches {case.batch}: over cache.max_batch "
+                             f"{config.cache.max_batch}")
+
+
+def case_config(config: Config, case: Case) -> Config:
+    """A pool just big enough that neither the first turns nor the measured step ever evict.
+
+    Per conversation, at the busiest moment: the MLA pages of the whole prompt plus one
+    copy-on-write page in every MLA group, and three KDA page sets (the kept turn-end checkpoint,
+    and the private state and new checkpoint of the turn being served)."""
+    model, cache = config.model, config.cache
+    mla_pages = model.mla_groups * (-(-case.tokens // cache.page_tokens) + 1)
+    per_conversation = mla_pages + 3 * model.kda_groups
+    cache = dataclasses.replace(cache, num_pages=case.batch * per_conversation)
+    return dataclasses.replace(config, cache=cache)
+
+
+class SendCounter:
+    """Counts request writes on a pool's connections. Each write is one round trip (the client
+    then waits for the reply); counting them on the client is exact, whereas the server's
+    `total_commands_processed` and command stats also count the commands scripts run inside."""
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    def install(self, pool: ConnectionPool) -> None:
+        counter, base = self, pool.connection_class
+
+        class CountingConnection(base):  # type: ignore[misc, valid-type]
+            async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+                counter.sends += 1
+                await super().send_packed_command(command, check_health)
+
+        pool.connection_class = CountingConnection
+
+
+async def script_calls(client: Redis) -> int:
+    """Scripts the server has run so far: the server's own view of how many EVAL-type round trips
+    a step took (commands inside a script are not round trips and are not counted here)."""
+    stats = await client.info("commandstats")
+    return sum(int(stats.get(name, {}).get("calls", 0)) for name in SCRIPT_COMMANDS)
+
+
+def conversation_tokens(seed: int, tokens: int) -> np.ndarray:
+    """Random uint32 ids, one seed per conversation, so no two conversations share a prefix."""
+    return np.random.default_rng(seed).integers(0, 2**32, tokens, dtype=np.uint32)
+
+
+def hash_ms(tokens: np.ndarray, root: bytes, config: Config) -> float:
+    """Median wall time of chaining one prompt's hashes: the client's share of a lookup."""
+    times = []
+    for _ in range(HASH_REPEATS):
+        start = time.perf_counter()
+        chain_hashes(tokens, root, config.cache.hash_block_tokens, config.cache.hash_algo)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def prefix_hashes(blob: bytes, tokens: int, config: Config) -> bytes:
+    """A prefix's chained hashes are the head of the whole prompt's: no rehashing needed."""
+    blocks = tokens // config.cache.hash_block_tokens
+    return blob[:blocks * hash_len(config.cache.hash_algo)]
+
+
+def expect_plan(result: StepPlan | StepRefusal, hit: int, what: str) -> StepPlan:
+    """Fail loudly unless every request hit exactly at `hit` without evicting anything: otherwise
+    the figures would describe some other lookup than the one this benchmark claims."""
+    if not isinstance(result, StepPlan):
+        raise RuntimeError(f"{what}: the pool refused the step: {result.reason}")
+    misses = [(r.rid, r.hit_tokens) for r in result.requests if r.hit_tokens != hit]
+    if misses:
+        raise RuntimeError(f"{what}: expected every request to hit at {hit} tokens, got {misses[:4]}")
+    if result.evicted:
+        raise RuntimeError(f"{what}: the step evicted {result.evicted} pages; the pool is too small")
+    return result
+
+
+async def serve_first_turns(index: PrefixIndex, blobs: Sequence[bytes], tokens: int) -> None:
+    """The first turn of every conversation, as an engine serves it: one prefill chunk, confirm,
+    commit with a durable turn-end checkpoint at its last token, confirm, release."""
+    rids = [f"c{n}.turn1" for n in range(len(blobs))]
+    hashes = [prefix_hashes(blob, tokens, index.config) for blob in blobs]
+    plan = expect_plan(await index.plan_step(
+        [StepRequest(rid, tokens, tokens, h) for rid, h in zip(rids, hashes)]), 0, "first turn")
+    await index.confirm(plan.ticket)
+    commit = await index.commit([CommitItem(rid, tokens, tokens, turn_end=True) for rid in rids])
+    unregistered = [r.rid for r in commit.requests if r.checkpoint != "registered"]
+    if unregistered:
+        raise RuntimeError(f"first turn: no checkpoint registered for {unregistered[:4]}")
+    await index.confirm(commit.ticket)
+    await index.release(rids)
+
+
+@dataclass
+class Samples:
+    plan_ns: list[int] = dataclasses.field(default_factory=list)
+    rtt_ns: list[int] = dataclasses.field(default_factory=list)
+    sends: int = 0
+    scripts: int = 0
+
+
+async def timed(call: Awaitable[Any]) -> tuple[Any, int]:
+    start = time.perf_counter_ns()
+    result = await call
+    return result, time.perf_counter_ns() - start
+
+
+async def one_step(index: PrefixIndex, rtt: Any, counter: SendCounter,
+                   requests: list[StepRequest], hit: int, samples: Samples | None) -> None:
+    """A bare round trip, then the step between two command-stat snapshots, then its undoing.
+
+    The snapshots and the undoing stay outside both timed regions; `samples` None is a warm-up."""
+    client = index.redis
+    _, rtt_ns = await timed(rtt())
+    scripts_before, sends_before = await script_calls(client), counter.sends
+    result, plan_ns = await timed(index.plan_step(requests))
+    sends = counter.sends - sends_before
+    scripts = await script_calls(client) - scripts_before
+    plan = expect_plan(result, hit, "next turn")
+    await index.confirm(plan.ticket)
+    await index.release([r.rid for r in requests])
+    if samples is not None:
+        samples.plan_ns.append(plan_ns)
+        samples.rtt_ns.append(rtt_ns)
+        samples.sends += sends
+        samples.scripts += scripts
+
+
+async def run_steps(index: PrefixIndex, counter: SendCounter, blobs: Sequence[bytes],
+                    case: Case) -> Samples:
+    """Warm-up, then the timed steps; collection is paused meanwhile and run between steps, so a
+    garbage-collection pause never lands inside a timed call."""
+    rtt = index.redis.register_script("return 1")
+    hit = case.tokens - STEP_TOKENS
+    requests = [StepRequest(f"c{n}.turn2", STEP_TOKENS, case.tokens, blob)
+                for n, blob in enumerate(blobs)]
+    samples = Samples()
+    gc.disable()
+    try:
+        for rep in range(case.warmup + case.reps):
+            await one_step(index, rtt, counter, requests, hit, samples if rep >= case.warmup else None)
+            gc.collect(0)
+    finally:
+        gc.enable()
+    return samples
+
+
+def summarize(case: Case, samples: Samples, hashing_ms: float) -> dict[str, Any]:
+    p50, p99 = np.percentile(samples.plan_ns, [50, 99]) / 1e3
+    rtt_p50 = float(np.median(samples.rtt_ns)) / 1e3
+    return {"tokens": case.tokens, "batch": case.batch, "p50_us": round(float(p50), 1),
+            "p99_us": round(float(p99), 1), "rtt_p50_us": round(rtt_p50, 1),
+            "ratio_p50": round(float(p50) / rtt_p50, 3), "hash_ms": round(hashing_ms, 3),
+            "round_trips_per_step": samples.sends / case.reps,
+            "scripts_per_step": samples.scripts / case.reps,
+            "hit_tokens": case.tokens - STEP_TOKENS, "steps": case.reps}
+
+
+async def measure(client: Redis, counter: SendCounter, config: Config, case: Case) -> dict[str, Any]:
+    """One case in its own fresh pool, whose keys are deleted afterwards (a shared Redis is left
+    as it was found)."""
+    config = case_config(config, case)
+    root = namespace_root(config.model.name)
+    block, algo = config.cache.hash_block_tokens, config.cache.hash_algo
+    index = PrefixIndex(client, f"bench-lookup-{uuid.uuid4().hex[:12]}", config)
+    try:
+        await index.create()
+        progress(f"{case.tokens} tokens x {case.batch}: serving first turns "
+                 f"({config.cache.num_pages} pages)")
+        blobs = [chain_hashes(conversation_tokens(n, case.tokens), root, block, algo)
+                 for n in range(case.batch)]
+        await serve_first_turns(index, blobs, case.tokens - STEP_TOKENS)
+        hashing_ms = hash_ms(conversation_tokens(0, case.tokens), root, config)
+        samples = await run_steps(index, counter, blobs, case)
+    finally:
+        await client.delete(*index.keys)
+    result = summarize(case, samples, hashing_ms)
+    progress(f"{case.tokens} tokens x {case.batch}: p50 {result['p50_us']} us, p99 "
+             f"{result['p99_us']} us, round trip {result['rtt_p50_us']} us, "
+             f"ratio {result['ratio_p50']}")
+    return result
+
+
+def progress(line: str) -> None:
+    print(f"bench lookup: {line}", file=sys.stderr, flush=True)
+
+
+@asynccontextmanager
+async def redis_url(given: str | None) -> AsyncIterator[str]:
+    """The given server, or a private one on a unix socket for the length of the run."""
+    if given:
+        yield given
+        return
+    async with RedisServer() as server:
+        yield server.url
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's own options; `--json` belongs to the CLI, which prints `run`'s result."""
+    add_config_arguments(parser)
+    parser.set_defaults(preset="kimi-k3")
+    parser.add_argument("--redis", metavar="URL",
+                        help="use this server (e.g. redis://host:6379) instead of a private one")
+    parser.add_argument("--tokens", type=int, nargs="+", metavar="N",
+                        help=f"prompt lengths (default: {' '.join(map(str, TOKENS))})")
+    parser.add_argument("--batches", type=int, nargs="+", metavar="B",
+                        help=f"requests per step (default: {' '.join(map(str, BATCHES))})")
+    parser.add_argument("--repeats", type=int, metavar="N",
+                        help="timed steps per case (default: 200, fewer for the largest)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small prompts and batches, few steps: a smoke run for tests")
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    config = config_from_args(args)
+    cases = build_cases(args)
+    check_geometry(config, cases)
+    counter = SendCounter()
+    async with redis_url(args.redis) as url:
+        pool = ConnectionPool.from_url(url, decode_responses=False)
+        counter.install(pool)
+        client = Redis(connection_pool=pool)
+        try:
+            version = (await client.info("server"))["redis_version"]
+            results = [await measure(client, counter, config, case) for case in cases]
+        finally:
+            await client.aclose(close_connection_pool=True)
+    return {"cases": results, "redis_version": version, "preset": args.preset}

@@ -1,0 +1,132 @@
+"""Bad input gets a clear, typed error and leaves Redis exactly as it was.
+
+The scripts validate everything before their first write; these tests bypass the Python store's
+own checks where needed (raw script calls) so that the scripts' validation is what is tested.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from index.errors import BadRequest, PoolConflict, StaleEpoch, UnknownEntity, UnknownPool
+from index.hashing import chain_hashes
+from index.records import CommitItem, StepRequest
+from index.store import PrefixIndex
+from tests.index_harness import ROOT, commit_item, new_request, only, small_config
+from tests.test_index_flows import make, serve
+
+CONFIG = small_config()
+
+
+async def dump(redis) -> dict[bytes, bytes]:
+    """Every key's serialized value: byte-for-byte equality means nothing changed."""
+    return {k: await redis.dump(k) for k in sorted(await redis.keys("*"))}
+
+
+@pytest.fixture
+async def warm(redis):
+    """A pool with cached content and one request mid-prefill (planned, not committed)."""
+    d = await make(redis, CONFIG)
+    await serve(d, "cached", list(range(40)), chunk=40)
+    plan = await d.plan([new_request("mid", list(range(100, 140)), 8, 4)], {"mid": list(range(100, 140))})
+    await d.confirm(plan.ticket)
+    return d
+
+
+def packed(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=False)
+
+
+async def raw(d, script: str, *args):
+    return await d.index._scripts.call(script, d.index.keys, [d.index.epoch, *args])
+
+
+GOOD_HASHES = chain_hashes(list(range(12)), ROOT, 4)
+RAW_PLAN_CASES = {
+    "not msgpack": b"\xc1\xc1",
+    "rid not a string": packed([{"rid": 5, "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}]),
+    "compute a string": packed([{"rid": "x", "compute": "many", "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}]),
+    "compute zero": packed([{"rid": "x", "compute": 0, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}]),
+    "tokens fractional": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 12.5, "hashes": GOOD_HASHES}]),
+    "hashes short": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES[:-1]}]),
+    "hashes for the wrong length": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 16, "hashes": GOOD_HASHES}]),
+    "ckpt not 0/1": packed([{"rid": "x", "compute": 1, "ckpt": 2, "tokens": 12, "hashes": GOOD_HASHES}]),
+    "duplicate rid": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}] * 2),
+    "over max_batch": packed([{"rid": f"x{i}", "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}
+                              for i in range(CONFIG.cache.max_batch + 1)]),
+    "continue uncommitted": packed([{"rid": "mid", "compute": 1, "ckpt": 1}]),
+    "valid then bad": packed([{"rid": "ok", "compute": 4, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES},
+                              {"rid": "bad", "compute": -1, "ckpt": 1}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW_PLAN_CASES))
+async def test_bad_plan_is_refused_without_a_write(warm, redis, case):
+    before = await dump(redis)
+    with pytest.raises(BadRequest) as err:
+        await raw(warm, "plan_step", RAW_PLAN_CASES[case])
+    assert str(err.value) and "script" not in str(err.value)
+    assert await dump(redis) == before
+
+
+COMMIT_CASES = {
+    "checkpoint off the hash block": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 6, "turn_end": 0}], BadRequest),
+    "checkpoint beyond stop": ([{"rid": "mid", "stop": 4, "ckpt_tokens": 8, "turn_end": 0}], BadRequest),
+    "stop beyond the plan": ([{"rid": "mid", "stop": 9, "ckpt_tokens": 0, "turn_end": 0}], BadRequest),
+    "stop not after start": ([{"rid": "mid", "stop": 0, "ckpt_tokens": 0, "turn_end": 0}], BadRequest),
+    "stop a string": ([{"rid": "mid", "stop": "8", "ckpt_tokens": 0, "turn_end": 0}], BadRequest),
+    "turn_end not 0/1": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 0, "turn_end": 7}], BadRequest),
+    "unknown request": ([{"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "turn_end": 0}], UnknownEntity),
+    "good then unknown": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8, "turn_end": 0},
+                           {"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "turn_end": 0}], UnknownEntity),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMMIT_CASES))
+async def test_bad_commit_is_refused_without_a_write(warm, redis, case):
+    batch, error = COMMIT_CASES[case]
+    before = await dump(redis)
+    with pytest.raises(error):
+        await raw(warm, "commit", packed(batch))
+    assert await dump(redis) == before
+
+
+async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
+    before = await dump(redis)
+    with pytest.raises(UnknownEntity):
+        await warm.index.confirm(10**9)
+    with pytest.raises(BadRequest):
+        await raw(warm, "confirm", "not-a-number")
+    with pytest.raises(BadRequest):
+        await raw(warm, "release", packed([1, 2]))
+    with pytest.raises(BadRequest):
+        await raw(warm, "evict", -3)
+    stale = PrefixIndex(redis, "p", CONFIG)
+    stale.epoch = warm.index.epoch + 7
+    with pytest.raises(StaleEpoch):
+        await stale.release(["mid"])
+    with pytest.raises(UnknownPool):
+        await PrefixIndex(redis, "never-created", CONFIG).release(["mid"])
+    with pytest.raises(PoolConflict):
+        await PrefixIndex(redis, "p", small_config(num_pages=999)).create()
+    assert await dump(redis) == before
+
+
+async def test_client_side_checks_name_the_problem(warm):
+    with pytest.raises(ValueError, match=r"2\*\*32"):
+        chain_hashes([1, 2**32, 3, 4], ROOT, 4)
+    with pytest.raises(ValueError, match="hash bytes"):
+        await warm.index.plan_step([StepRequest("z", 1, 12, GOOD_HASHES[:-1])])
+    with pytest.raises(ValueError, match="max_batch"):
+        await warm.index.plan_step([new_request(f"z{i}", list(range(12)), 1, 4) for i in range(9)])
+    with pytest.raises(ValueError, match="twice"):
+        await warm.index.plan_step([new_request("z", list(range(12)), 1, 4)] * 2)
+    with pytest.raises(ValueError, match="pool id"):
+        PrefixIndex(warm.index.redis, "bad{tag}", CONFIG)
+
+
+async def test_release_of_unknown_requests_is_reported_not_fatal(warm):
+    result = await warm.release(["mid", "ghost"])
+    assert result.released == 1 and result.unknown == ["ghost"]
+    assert (await warm.release(["mid"])).unknown == ["mid"]
