@@ -8,7 +8,6 @@ deliberately plain Python: readable first, never used on a hot path.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ class PoolState:
     req: dict[str, dict[str, Any]] = field(default_factory=dict)
     reqh: dict[str, bytes] = field(default_factory=dict)
     tix: dict[int, list[str]] = field(default_factory=dict)
-    lru_page_count: int = 0
+    lru_page_count: int = 0  # meta.lru_pages as Redis stores it; the reference derives it
 
     def lru_pages(self) -> int:
         """Pages held by eviction-order members: what Redis keeps as meta.lru_pages."""
@@ -529,6 +528,3 @@ class ReferenceIndex:
     def invalidate(self) -> int:
         self.s = PoolState(epoch=self.s.epoch + 1, tick=self.s.tick, ticket=self.s.ticket)
         return self.s.epoch
-
-    def state_copy(self) -> PoolState:
-        return copy.deepcopy(self.s)

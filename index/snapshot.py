@@ -60,10 +60,6 @@ def _pending(raw: dict[bytes, Any]) -> dict[str, Any]:
     return item
 
 
-def page_refs(state: PoolState, lead: int) -> int:
-    return state.pages[lead]["ref"]
-
-
 def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None:
     """Raise AssertionError naming the first broken invariant."""
     free = list(state.free)

@@ -11,9 +11,9 @@ import pytest
 
 from index.errors import BadRequest, PoolConflict, StaleEpoch, UnknownEntity, UnknownPool
 from index.hashing import chain_hashes
-from index.records import CommitItem, StepRequest
+from index.records import StepRequest
 from index.store import PrefixIndex
-from tests.index_harness import ROOT, commit_item, new_request, only, small_config
+from tests.index_harness import ROOT, new_request, small_config
 from tests.test_index_flows import make, serve
 
 CONFIG = small_config()

@@ -6,10 +6,10 @@ import pytest
 
 from cachetier.config import CacheSpec, Config, ModelSpec
 from index.hashing import chain_hashes, namespace_root
-from index.records import CommitItem, StepPlan, StepRequest
+from index.records import StepPlan, StepRequest
 from index.snapshot import read_pool, sanity_check
 from index.store import PrefixIndex
-from tests.index_harness import Driver, commit_item, new_request, only, small_config
+from tests.index_harness import ROOT, Driver, commit_item, new_request, only, small_config
 
 SEED = Config(ModelSpec(), CacheSpec(hash_block_tokens=512, page_tokens=6144, num_pages=64))
 
@@ -131,3 +131,21 @@ async def test_two_mla_groups_copy_on_write_in_each_group(redis):
     cow = [c for c in plan.copies if c.dst not in plan.state_pages]
     assert sorted(c.dst for c in cow) == sorted([plan.mla_pages[0][1], plan.mla_pages[1][1]])
     await check(d, config)
+
+
+async def test_sha256_pool_hits_and_refuses_short_hashes(redis):
+    base = small_config()
+    config = Config(base.model, CacheSpec(**{**base.cache.__dict__, "hash_algo": "sha256"}))
+    index = PrefixIndex(redis, "sha", config)
+    await index.create()
+    root = namespace_root("test-model", algo="sha256")
+    prompt = list(range(300, 330))
+    first = StepRequest("a", 30, 30, chain_hashes(prompt, root, 4, "sha256"))
+    step = await index.plan_step([first])
+    await index.confirm(step.ticket)
+    await index.confirm((await index.commit([commit_item(only(step), 30, True)])).ticket)
+    probe = prompt + [1]
+    again = StepRequest("b", 31, 31, chain_hashes(probe, root, 4, "sha256"))
+    assert only(await index.plan_step([again])).hit_tokens == 28
+    with pytest.raises(ValueError, match="hash bytes"):
+        await index.plan_step([StepRequest("c", 31, 31, chain_hashes(probe, ROOT, 4))])

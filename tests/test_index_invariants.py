@@ -6,13 +6,12 @@ declared prefix, so a hit served from evicted, reallocated or unconfirmed pages 
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 
 from eviction.policy import EvictionWeights
 from index.errors import StaleEpoch, UnknownEntity
 from index.hashing import chain_hashes, split_hashes
-from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
+from index.records import StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
 from index.store import PrefixIndex
 from tests.index_harness import ROOT, Driver, commit_item, new_request, only, small_config

@@ -188,6 +188,18 @@ class IndexMachine(RuleBasedStateMachine):
             assert isinstance(outcome, type) and issubclass(outcome, ValueError)
 
     @rule()
+    def release_everything(self) -> None:
+        """Once every request is released, no pin and no private page may be left anywhere."""
+        if self.status:
+            self.both("release", sorted(self.status))
+            self.status.clear()
+        state = self.loop.run_until_complete(read_pool(self.redis, self.real.index.keys))
+        leads = [rec for rec in state.pages.values() if "pages" in rec]
+        assert all(rec["ref"] == 0 for rec in leads), "a pin outlived every request"
+        assert all(rec["st"] != "private" for rec in leads), "a private page outlived its request"
+        assert state.req == {} and state.reqh == {}
+
+    @rule()
     def invalidate(self) -> None:
         for driver in (self.real, self.ref):
             self.loop.run_until_complete(driver.index.invalidate())
