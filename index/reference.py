@@ -321,6 +321,9 @@ class ReferenceIndex:
             reqs.append(r)
         ticket, removed, out = self.s.ticket + 1, [], []
         for item, r in zip(items, reqs):
+            for pend in [p for p in r["pend"] if p["unpin"] >= 0]:
+                self._unpin(pend["unpin"])
+            r["pend"] = [p for p in r["pend"] if p["unpin"] < 0]
             blob = self.s.reqh[item.rid]
             p = {"t": ticket, "fills": {}, "unpin": -1, "ck": -1, "ckh": b""}
             count = self._register_endpoints(item.rid, r, blob, item.stop // self.B, p["fills"])

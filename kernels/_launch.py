@@ -1,8 +1,13 @@
-"""What every launcher shares: backend choice, lazy jit, input checks, word width and block rules.
+"""What every launcher shares: backend choice, lazy jit, batch validation, word width and block rules.
 
 Kernels are jitted lazily, at first launch, because `triton.jit` reads `TRITON_INTERPRET` when it
 decorates: jitting at launch lets one process run the CPU interpreter (tests) or compiled kernels
 (CUDA) depending on the environment at that moment.
+
+Validation costs one pass over the batch whatever its size: `as_batch` takes every column's min and
+max with a single `torch.aminmax`, and the bound checks, the block rule and the fallback's grouping
+read those few numbers. Rows are looked at again only to name the offenders of a failing batch, or
+(one bitmap lookup) when a batch's source and destination page ranges interleave in one buffer.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
+import numpy as np
 import torch
 import triton
 
@@ -23,7 +30,11 @@ _fell_back: set[str] = set()
 MAX_GRID_YZ = 65_535  # CUDA's limit on the 2nd and 3rd grid dimensions
 MAX_GRID_X = 2**31 - 1
 MAX_BLOCK_BYTES = 16_384  # bytes one program moves per loop iteration
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+SHOWN = 8  # offending rows or pages quoted in an error message
+# Integer words for the kernels; the torch fallback may also move 16-byte words as complex128:
+# index_select / index_copy_ only move elements, never compute on them, so every bit passes through.
+_WORD_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+KERNEL_WORD = 8  # the widest word a Triton kernel moves
 
 
 def interpreting() -> bool:
@@ -55,6 +66,35 @@ class LazyJit:
         return self._built[mode]
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A batch as a contiguous host `[n, columns]` int64 tensor, with each column's min and max."""
+
+    rows: torch.Tensor
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return self.rows.size(0)
+
+    def uniform(self, *columns: int) -> bool:
+        """Whether every row holds the same value in each of `columns`."""
+        return all(self.low[c] == self.high[c] for c in columns)
+
+
+def as_batch(batch: torch.Tensor | Sequence[Sequence[int]], columns: int, what: str) -> Batch:
+    """The batch on the host (validation happens there) with its column bounds, in one pass."""
+    rows = torch.as_tensor(batch, dtype=torch.int64, device="cpu")
+    if rows.numel() == 0:
+        return Batch(rows.reshape(0, columns), (0,) * columns, (-1,) * columns)
+    if rows.dim() != 2 or rows.size(1) != columns:
+        raise ValueError(f"{what} must have shape [n, {columns}], got {tuple(rows.shape)}")
+    rows = rows.contiguous()
+    low, high = torch.aminmax(rows, dim=0)
+    return Batch(rows, tuple(low.tolist()), tuple(high.tolist()))
+
+
 def check_buffers(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Both are `[layer_slots, pages, page_bytes]` uint8 on one device with a contiguous last dim."""
     for name, t in (("src", src), ("dst", dst)):
@@ -67,39 +107,56 @@ def check_buffers(src: torch.Tensor, dst: torch.Tensor) -> None:
         raise ValueError(f"src has {src.size(0)} layer slots but dst has {dst.size(0)}")
 
 
-def as_rows(batch: torch.Tensor | Sequence[Sequence[int]], columns: int, what: str) -> torch.Tensor:
-    """The batch as a CPU `[n, columns]` int64 tensor (validation happens on the host)."""
-    rows = torch.as_tensor(batch, dtype=torch.int64, device="cpu")
-    if rows.numel() == 0:
-        return rows.reshape(0, columns)
-    if rows.dim() != 2 or rows.size(1) != columns:
-        raise ValueError(f"{what} must have shape [n, {columns}], got {tuple(rows.shape)}")
-    return rows
-
-
-def check_pages(pages: torch.Tensor, count: int, what: str) -> None:
-    if pages.numel() == 0:
+def check_pages(batch: Batch, column: int, count: int, what: str) -> None:
+    if batch.size == 0 or (batch.low[column] >= 0 and batch.high[column] < count):
         return
-    low, high = torch.aminmax(pages)
-    if int(low) < 0 or int(high) >= count:
-        raise ValueError(f"{what} out of range [0, {count}): {pages.tolist()}")
+    pages = batch.rows[:, column]
+    bad = pages[(pages < 0) | (pages >= count)]
+    raise ValueError(f"{what} out of range [0, {count}): {shown(bad.unique().tolist())}")
 
 
-def check_pairs(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
+def check_pairs(src: torch.Tensor, dst: torch.Tensor, batch: Batch) -> None:
     """Pages in range, one launch's worth of (pair, slot) programs, and within one buffer no page
     both read and written (programs run in no particular order)."""
-    check_pages(rows[:, 0], src.size(1), "src_page")
-    check_pages(rows[:, 1], dst.size(1), "dst_page")
-    same_buffer = src.data_ptr() == dst.data_ptr()
-    if same_buffer and not set(rows[:, 0].tolist()).isdisjoint(rows[:, 1].tolist()):
-        raise ValueError("a destination page is also a source page of the same batch")
-    if rows.size(0) * src.size(0) > MAX_GRID_X:
-        raise ValueError(f"{rows.size(0)} pairs x {src.size(0)} slots exceed one launch; "
+    check_pages(batch, 0, src.size(1), "src_page")
+    check_pages(batch, 1, dst.size(1), "dst_page")
+    if src.data_ptr() == dst.data_ptr() and (both := pages_in_both_columns(batch)):
+        raise ValueError(f"pages {shown(both)} are destination pages and also a source page of the "
+                         "same batch")
+    if batch.size * src.size(0) > MAX_GRID_X:
+        raise ValueError(f"{batch.size} pairs x {src.size(0)} slots exceed one launch; "
                          "split the batch")
 
 
-def word_width(tensors: Sequence[torch.Tensor], quantities: Sequence[int]) -> int:
-    """The widest word (8, 4, 2 or 1 bytes) that divides every address and length involved.
+def pages_in_both_columns(batch: Batch) -> list[int]:
+    """Pages listed as a source (column 0) and as a destination (column 1); columns validated."""
+    if batch.size == 0 or max(batch.low[0], batch.low[1]) > min(batch.high[0], batch.high[1]):
+        return []  # the two page ranges do not even interleave
+    rows = batch.rows.numpy()
+    is_src = np.zeros(max(batch.high[0], batch.high[1]) + 1, dtype=bool)
+    is_src[rows[:, 0]] = True
+    dst = rows[:, 1]
+    return np.unique(dst[is_src[dst]]).tolist()
+
+
+def shown(values: list[int]) -> str:
+    """`values` for an error message, cut to the first `SHOWN`."""
+    more = f" and {len(values) - SHOWN} more" if len(values) > SHOWN else ""
+    return f"{values[:SHOWN]}{more}"
+
+
+def alignment(batch: Batch, columns: Sequence[int]) -> int:
+    """A number that a power of two divides iff it divides every value of `columns` (their OR)."""
+    if batch.size == 0:
+        return 0
+    if batch.uniform(*columns):
+        return math.gcd(*(batch.low[c] for c in columns))
+    return int(np.bitwise_or.reduce(batch.rows.numpy()[:, list(columns)], axis=None))
+
+
+def word_width(tensors: Sequence[torch.Tensor], quantities: Sequence[int],
+               widest: int = KERNEL_WORD) -> int:
+    """The widest word (up to `widest` bytes) that divides every address and length involved.
 
     Moving int64 words instead of bytes cuts the instructions per byte; reinterpreting bits as
     integers never rounds, whatever dtype the pages hold.
@@ -107,9 +164,8 @@ def word_width(tensors: Sequence[torch.Tensor], quantities: Sequence[int]) -> in
     g = 0
     for t in tensors:
         g = math.gcd(g, t.data_ptr(), t.stride(0), t.stride(1), t.size(2))
-    for q in quantities:
-        g = math.gcd(g, q)
-    return next(w for w in (8, 4, 2, 1) if g % w == 0)
+    g = math.gcd(g, *quantities)
+    return next(w for w in _WORD_DTYPES if w <= widest and g % w == 0)
 
 
 def as_words(t: torch.Tensor, width: int) -> torch.Tensor:

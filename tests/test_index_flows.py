@@ -149,3 +149,20 @@ async def test_sha256_pool_hits_and_refuses_short_hashes(redis):
     assert only(await index.plan_step([again])).hit_tokens == 28
     with pytest.raises(ValueError, match="hash bytes"):
         await index.plan_step([StepRequest("c", 31, 31, chain_hashes(probe, ROOT, 4))])
+
+
+async def test_commit_drops_restore_pins_even_without_confirming_the_plan(redis):
+    config = small_config()
+    d = await make(redis, config)
+    prompt = list(range(500, 530))
+    await serve(d, "a", prompt, chunk=30)
+    longer = prompt + [9] * 6
+    step = await d.plan([new_request("b", longer, 36, 4)], {"b": longer})
+    restore_src = only(step).copies[0].src
+    state = await read_pool(redis, d.index.keys)
+    ck_lead = next(lead for lead, rec in state.pages.items() if "pages" in rec and restore_src in rec["pages"])
+    assert state.pages[ck_lead]["ref"] == 1
+    await d.index.commit([commit_item(only(step), 36)])
+    after = await read_pool(redis, d.index.keys)
+    assert after.pages[ck_lead]["ref"] == 0 and ck_lead in after.lru
+    sanity_check(after, config.cache.num_pages, config.cache.blocks_per_page)

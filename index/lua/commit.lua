@@ -8,6 +8,7 @@
 -- returns msgpack {ticket, requests = {{rid, endpoints, ckpt}}, removed = {...}}
 --
 -- Everything registered here is pending (never matched) until `confirm(ticket)` (invariant 2).
+-- The pins on the checkpoints this request restored from are dropped.
 -- First writer wins: a hash already registered elsewhere is left alone, since both pages hold the
 -- same prefix. A page is only hung under a parent that is ready or pending for this same request,
 -- which keeps readiness prefix-closed along every chain (a ready page has ready ancestors); a
@@ -130,9 +131,20 @@ local function register_checkpoint(rid, r, blob, blocks, turn_end, p)
   return "registered"
 end
 
+-- The forward pass read the restored state, so the step's copies are done: drop the restore pins
+-- even when the plan ticket was never confirmed.
+local function drop_restore_pins(r)
+  local keep = {}
+  for _, item in ipairs(r.pend) do
+    if item.unpin >= 0 then unpin(m, item.unpin) else keep[#keep + 1] = item end
+  end
+  r.pend = keep
+end
+
 local out, rids = {}, {}
 for n, item in ipairs(batch) do
   local r = reqs[n]
+  drop_restore_pins(r)
   local blob = redis.call("HGET", K_REQH, item.rid)
   local p = {t = ticket, fills = {}, unpin = -1, ck = -1, ckh = ""}
   local count = register_endpoints(item.rid, r, blob, math.floor(item.stop / B), p.fills)
