@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 from redis.asyncio import ConnectionPool, Redis
+from redis.commands.core import AsyncScript
 
 from cachetier.cli import add_config_arguments, config_from_args
-from cachetier.config import Config
+from cachetier.config import Config, ConfigError
 from cachetier.servers import RedisServer
 from index.hashing import chain_hashes, hash_len, namespace_root
 from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
@@ -65,22 +66,24 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     cases = []
     for n in tokens:
         for b in batches:
-            reps = args.repeats or default_reps(n, b, args.quick)
+            reps = default_reps(n, b, args.quick) if args.repeats is None else args.repeats
             cases.append(Case(n, b, reps, warmup=max(2, reps // 10)))
     return cases
 
 
-def check_geometry(config: Config, cases: Sequence[Case]) -> None:
-    """The cached boundary (prompt minus STEP_TOKENS) must be a hash-block boundary, or no hit
-    at it is possible and the benchmark would measure a miss."""
+def check_cases(config: Config, cases: Sequence[Case]) -> None:
+    """Refuse sizes before any work. The cached boundary (prompt minus STEP_TOKENS) must be a
+    hash-block boundary, or no hit at it is possible and the benchmark would measure a miss."""
     block = config.cache.hash_block_tokens
     for case in cases:
+        if case.reps < 1:
+            raise ConfigError("--repeats", f"{case.reps} must be at least 1")
         if case.tokens <= STEP_TOKENS or (case.tokens - STEP_TOKENS) % block:
-            raise ValueError(f"--tokens {case.tokens}: must exceed {STEP_TOKENS} by a positive "
-                             f"multiple of the {block}-token hash block")
-        if case.batch > config.cache.max_batch:
-            raise ValueError(f"--batches {case.batch}: over cache.max_batch "
-                             f"{config.cache.max_batch}")
+            raise ConfigError("--tokens", f"{case.tokens} must exceed {STEP_TOKENS} by a positive "
+                              f"multiple of the {block}-token hash block")
+        if not 1 <= case.batch <= config.cache.max_batch:
+            raise ConfigError("--batches", f"{case.batch} is not in [1, cache.max_batch = "
+                              f"{config.cache.max_batch}]")
 
 
 def case_config(config: Config, case: Case) -> Config:
@@ -180,6 +183,8 @@ async def serve_first_turns(index: PrefixIndex, blobs: Sequence[bytes], tokens: 
 
 @dataclass
 class Samples:
+    """One case's timed steps: latencies per step, round-trip and script counts summed."""
+
     plan_ns: list[int] = dataclasses.field(default_factory=list)
     rtt_ns: list[int] = dataclasses.field(default_factory=list)
     script_us: list[int] = dataclasses.field(default_factory=list)
@@ -193,14 +198,17 @@ async def timed(call: Awaitable[Any]) -> tuple[Any, int]:
     return result, time.perf_counter_ns() - start
 
 
-async def one_step(index: PrefixIndex, rtt: Any, counter: SendCounter,
+async def one_step(index: PrefixIndex, rtt: AsyncScript, counter: SendCounter,
                    requests: list[StepRequest], hit: int, samples: Samples | None) -> None:
-    """A bare round trip, then the step between two command-stat snapshots, then its undoing.
+    """A bare round trip immediately followed by the step, both between two command-stat
+    snapshots, then the step's undoing; `samples` None is a warm-up.
 
-    The snapshots and the undoing stay outside both timed regions; `samples` None is a warm-up."""
+    Back to back, the two timed calls meet the same server and client state (a big step's
+    aftermath slows the next few round trips); the snapshots and the undoing are not timed."""
     client = index.redis
+    calls_before, usec_before = await script_stats(client)
     _, rtt_ns = await timed(rtt())
-    (calls_before, usec_before), sends_before = await script_stats(client), counter.sends
+    sends_before = counter.sends
     result, plan_ns = await timed(index.plan_step(requests))
     sends = counter.sends - sends_before
     calls, usec = await script_stats(client)
@@ -212,7 +220,7 @@ async def one_step(index: PrefixIndex, rtt: Any, counter: SendCounter,
         samples.rtt_ns.append(rtt_ns)
         samples.script_us.append(usec - usec_before)
         samples.sends += sends
-        samples.scripts += calls - calls_before
+        samples.scripts += calls - calls_before - 1  # the bare round trip's script
 
 
 async def run_steps(index: PrefixIndex, counter: SendCounter, blobs: Sequence[bytes],
@@ -304,7 +312,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
     cases = build_cases(args)
-    check_geometry(config, cases)
+    check_cases(config, cases)
     counter = SendCounter()
     async with redis_url(args.redis) as url:
         pool = ConnectionPool.from_url(url, decode_responses=False)

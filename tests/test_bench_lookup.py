@@ -1,0 +1,66 @@
+"""`cachetier bench lookup --quick` end to end through the CLI, against the tests' redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from redis.asyncio import Redis
+
+from cachetier.cli import main
+
+CASE_KEYS = {"tokens", "batch", "p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms",
+             "round_trips_per_step", "hit_tokens"}
+POSITIVE = ("p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms")
+
+
+def all_keys(url: str) -> set[bytes]:
+    async def scan() -> set[bytes]:
+        async with Redis.from_url(url) as client:
+            return {key async for key in client.scan_iter()}
+    return asyncio.run(scan())
+
+
+def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["bench", "lookup", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_quick_run_hits_every_case_in_one_round_trip(capsys: pytest.CaptureFixture[str],
+                                                      redis_url: str) -> None:
+    before = all_keys(redis_url)
+    code, out, err = bench(capsys, "--json", "--quick", "--repeats", "5", "--redis", redis_url)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["preset"] == "kimi-k3" and result["redis_version"]
+    assert [(c["tokens"], c["batch"]) for c in result["cases"]] == [
+        (4096, 1), (4096, 4), (16384, 1), (16384, 4)]
+    for case in result["cases"]:
+        assert CASE_KEYS <= case.keys()
+        assert case["hit_tokens"] == case["tokens"] - 512
+        assert case["round_trips_per_step"] == 1 and case["scripts_per_step"] == 1
+        assert all(case[key] > 0 for key in POSITIVE), case
+        assert case["p99_us"] >= case["p50_us"]
+        assert case["ratio_p50"] == pytest.approx(case["p50_us"] / case["rtt_p50_us"], rel=1e-2)
+    assert "bench lookup: 16384 tokens x 4" in err       # progress goes to stderr, not stdout
+    assert all_keys(redis_url) == before                  # a shared server is left as found
+
+
+def test_own_server_and_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = bench(capsys, "--quick", "--tokens", "1024", "--batches", "2",
+                           "--repeats", "3")
+    assert code == 0, err
+    assert "redis_version:" in out and "ratio_p50" in out
+
+
+@pytest.mark.parametrize("flags, field", [(["--tokens", "1000"], "--tokens"),
+                                          (["--tokens", "512"], "--tokens"),
+                                          (["--batches", "0"], "--batches"),
+                                          (["--repeats", "0"], "--repeats")])
+def test_bad_sizes_are_refused_before_any_work(capsys: pytest.CaptureFixture[str],
+                                               flags: list[str], field: str) -> None:
+    code, out, err = bench(capsys, "--quick", "--redis", "redis://127.0.0.1:1", *flags)
+    assert code == 2 and out == ""
+    assert f"cachetier: {field}:" in err
