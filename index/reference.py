@@ -9,6 +9,7 @@ deliberately plain Python: readable first, never used on a hot path.
 from __future__ import annotations
 
 import math
+import struct
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -95,16 +96,13 @@ class ReferenceIndex:
             else:
                 ids.append(self.s.fresh)
                 self.s.fresh += 1
-        for g in range(1, n):
-            self.s.pages[ids[g]] = {"lead": ids[0], "k": kind, "g": g}
         self.s.pages[ids[0]] = {"k": kind, "g": 0, "pages": ids, "st": "private", "ref": 1,
                                 "owner": owner, "lu": 0, "dur": 0, "depth": 0, "kids": 0}
         return ids[0], ids
 
     def _free_set(self, rec: dict[str, Any]) -> None:
-        for pid in rec["pages"]:
-            del self.s.pages[pid]
-            self.s.free.append(pid)
+        del self.s.pages[rec["pages"][0]]
+        self.s.free.extend(rec["pages"])
         self.s.lru.pop(rec["pages"][0], None)
 
     def _drop_checkpoint(self, h: bytes, removed: list[Removal]) -> None:
@@ -227,11 +225,12 @@ class ReferenceIndex:
         self._check_epoch(epoch)
         if len(batch) > self.max_batch:
             raise BadRequest("batch exceeds max_batch")
-        plans, seen, pinned_in_lru, need = [], set(), set(), 0
+        plans, seen, need = [], set(), 0
+        pinned_in_lru: dict[int, int] = {}
         for item in batch:
             r = self._check_request(item, seen)
             p: dict[str, Any] = {"item": item, "r": r, "anchor": -1, "ckpt": -1, "hit": 0,
-                                 "shared": [], "cow": 0}
+                                 "shared": b"", "cow": 0}
             if r is None:
                 usable = min(len(item.hashes) // self.HL, (item.prompt_tokens - 1) // self.B)
                 depth = self._mla_match(item.hashes, usable)
@@ -240,23 +239,26 @@ class ReferenceIndex:
                 if p["hit"] > 0:
                     lead, fill = self.s.ep[self._h(item.hashes, p["hit"])]
                     p["anchor"] = lead
-                    p["shared"] = list(self.s.pages[lead]["path"])
+                    p["shared"] = self.s.pages[lead]["path"]
                     if fill == self.PB:
-                        p["shared"].append(lead)
+                        p["shared"] += pack_ids(self.s.pages[lead]["pages"])
                     else:
                         p["cow"] = fill
-                p["start"], p["tokens"], p["slots_have"] = p["hit"] * self.B, item.prompt_tokens, len(p["shared"])
-                pinned_in_lru |= {i for i in (p["anchor"], p["ckpt"]) if i >= 0 and i in self.s.lru}
+                p["start"], p["tokens"] = p["hit"] * self.B, item.prompt_tokens
+                p["slots_have"] = len(p["shared"]) // (4 * self.mla)
+                for lead, size in ((p["anchor"], self.mla), (p["ckpt"], self.kda)):
+                    if lead >= 0 and lead in self.s.lru:
+                        pinned_in_lru[lead] = size
                 need += self.kda
             else:
-                p["start"], p["tokens"], p["slots_have"] = r["pos"], r["tokens"], len(r["mla"])
+                p["start"], p["tokens"], p["slots_have"] = r["pos"], r["tokens"], r["shared"] + len(r["own"])
             p["stop"] = min(p["tokens"], p["start"] + item.compute_tokens)
             p["new_slots"] = math.ceil(p["stop"] / (self.B * self.PB)) - p["slots_have"]
             p["want_ckpt"] = (item.checkpoint and self.kda > 0
                               and p["stop"] // self.B > p["start"] // self.B)
             need += p["new_slots"] * self.mla + (self.kda if p["want_ckpt"] else 0)
             plans.append(p)
-        pinned_pages = sum(len(self.s.pages[i]["pages"]) for i in pinned_in_lru)
+        pinned_pages = sum(pinned_in_lru.values())
         available = self._free_count() + self.s.lru_pages() - pinned_pages
         if available < need:
             return StepRefusal(f"pool exhausted: the step needs {need} pages, {available} are "
@@ -274,24 +276,29 @@ class ReferenceIndex:
         ticket = self._new_ticket([p["item"].rid for p in plans])
         return StepPlan(ticket, self.s.epoch, out, len(removed), removed)
 
+    def _start_request(self, p: dict[str, Any], rid: str, copies: list[PageCopy]) -> dict[str, Any]:
+        shared = p["slots_have"]
+        hoff = max(shared * self.PB - 1, 0)
+        r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "pin": p["anchor"],
+             "spath": p["shared"], "own": [], "shared": shared, "state": -1, "ck": -1,
+             "reg": p["hit"], "inter": b"", "pend": [], "hoff": hoff}
+        if self.kda > 0:
+            lead, ids = self._alloc_set("K", self.kda, rid)
+            r["state"] = lead
+            if p["ckpt"] >= 0:
+                src = self.s.pages[p["ckpt"]]["pages"]
+                copies += [PageCopy(src[g], ids[g], 0, self.kda_state_bytes) for g in range(self.kda)]
+                r["pend"].append({"t": self.s.ticket + 1, "unpin": p["ckpt"], "fills": {},
+                                  "ck": -1, "ckh": b""})
+        self.s.reqh[rid] = p["item"].hashes[hoff * self.HL:]
+        return r
+
     def _allocate(self, p: dict[str, Any]) -> RequestPlan:
-        rid, r, copies = p["item"].rid, p["r"], []
-        if r is None:
-            r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "pin": p["anchor"],
-                 "rpin": p["ckpt"], "mla": list(p["shared"]), "shared": len(p["shared"]),
-                 "state": -1, "ck": -1, "reg": p["hit"], "inter": b"", "pend": []}
-            if self.kda > 0:
-                lead, ids = self._alloc_set("K", self.kda, rid)
-                r["state"] = lead
-                if p["ckpt"] >= 0:
-                    src = self.s.pages[p["ckpt"]]["pages"]
-                    copies += [PageCopy(src[g], ids[g], 0, self.kda_state_bytes) for g in range(self.kda)]
-                    r["pend"].append({"t": self.s.ticket + 1, "unpin": p["ckpt"], "fills": {},
-                                      "ck": -1, "ckh": b""})
-            self.s.reqh[rid] = p["item"].hashes
+        rid, copies = p["item"].rid, []
+        r = p["r"] if p["r"] is not None else self._start_request(p, rid, copies)
         for s in range(p["new_slots"]):
             lead, ids = self._alloc_set("M", self.mla, rid)
-            r["mla"].append(lead)
+            r["own"].append(lead)
             if s == 0 and p["cow"] > 0:
                 src = self.s.pages[p["anchor"]]["pages"]
                 copies += [PageCopy(src[g], ids[g], 0, p["cow"] * self.B * self.mla_token_bytes)
@@ -299,8 +306,9 @@ class ReferenceIndex:
         r["ck"] = self._alloc_set("K", self.kda, rid)[0] if p["want_ckpt"] else -1
         r["stop"] = p["stop"]
         self.s.req[rid] = r
-        mla = [[lead if g == 0 else self.s.pages[lead]["pages"][g] for lead in r["mla"]]
-               for g in range(self.mla)]
+        shared = [list(row) for row in struct.iter_unpack("<" + "I" * self.mla, r["spath"])]
+        slots = shared + [self.s.pages[lead]["pages"] for lead in r["own"]]
+        mla = [[slot[g] for slot in slots] for g in range(self.mla)]
         state = list(self.s.pages[r["state"]]["pages"]) if r["state"] >= 0 else []
         ckpt = list(self.s.pages[r["ck"]]["pages"]) if r["ck"] >= 0 else []
         ck_tokens = p["stop"] // self.B * self.B if p["want_ckpt"] else 0
@@ -324,7 +332,7 @@ class ReferenceIndex:
             for pend in [p for p in r["pend"] if p["unpin"] >= 0]:
                 self._unpin(pend["unpin"])
             r["pend"] = [p for p in r["pend"] if p["unpin"] < 0]
-            blob = self.s.reqh[item.rid]
+            blob = b"\0" * (r["hoff"] * self.HL) + self.s.reqh[item.rid]
             p = {"t": ticket, "fills": {}, "unpin": -1, "ck": -1, "ckh": b""}
             count = self._register_endpoints(item.rid, r, blob, item.stop // self.B, p["fills"])
             state = "none"
@@ -357,7 +365,7 @@ class ReferenceIndex:
                 raise BadRequest(f"{item.rid}: no checkpoint pages were planned for this step")
 
     def _attach(self, rid: str, rec: dict[str, Any], slot: int, blob: bytes) -> bool:
-        path, par = [], -1
+        path, par = b"", -1
         if slot > 0:
             e = self.s.ep.get(self._h(blob, slot * self.PB))
             if e is None:
@@ -365,7 +373,7 @@ class ReferenceIndex:
             parent = self.s.pages[e[0]]
             if parent["rf"] < self.PB and parent["owner"] != rid:
                 return False
-            path, par = parent["path"] + [e[0]], e[0]
+            path, par = parent["path"] + pack_ids(parent["pages"]), e[0]
             parent["kids"] += 1
             self._save_lead(e[0], parent)
         rec.update(path=path, par=par, st="pending", depth=(slot + 1) * self.PB * self.B, eps=[], cks=[], rf=0, fill=0)
@@ -378,7 +386,7 @@ class ReferenceIndex:
             h = self._h(blob, i)
             if h not in self.s.ep:
                 slot = (i - 1) // self.PB
-                lead = r["mla"][slot]
+                lead = r["own"][slot - r["shared"]]
                 rec = self.s.pages[lead]
                 if rec["st"] == "private" and not self._attach(rid, rec, slot, blob):
                     return count
@@ -480,8 +488,8 @@ class ReferenceIndex:
                     self._unpin(item["unpin"])
                 if self._pending_checkpoint(item):
                     self._drop_checkpoint(item["ckh"], removed)
-            for s in range(len(r["mla"]) - 1, r["shared"] - 1, -1):
-                self._release_page(r["mla"][s], removed)
+            for lead in reversed(r["own"]):
+                self._release_page(lead, removed)
             if r["pin"] >= 0:
                 self._unpin(r["pin"])
             for lead in (r["state"], r["ck"]):
@@ -531,3 +539,8 @@ class ReferenceIndex:
     def invalidate(self) -> int:
         self.s = PoolState(epoch=self.s.epoch + 1, tick=self.s.tick, ticket=self.s.ticket)
         return self.s.epoch
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """Page ids as little-endian uint32, the way the scripts store page-table paths."""
+    return struct.pack(f"<{len(ids)}I", *ids)

@@ -14,21 +14,22 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis
 
-from index.reference import PoolState
+from index.reference import PoolState, pack_ids
 
 _TEXT_FIELDS = ("k", "st", "owner")
 
 
 async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
-    meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k = keys
+    meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k, rf_k, path_k = keys
     pipe = redis.pipeline(transaction=True)
     pipe.hgetall(meta_k).hgetall(pages_k).lrange(free_k, 0, -1).hgetall(ep_k).hgetall(ck_k)
     pipe.zrange(lru_k, 0, -1, withscores=True).hgetall(req_k).hgetall(reqh_k).hgetall(tix_k)
-    meta, pages, free, ep, ck, lru, req, reqh, tix = await pipe.execute()
+    pipe.hgetall(rf_k).hgetall(path_k)
+    meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path = await pipe.execute()
     meta = {k.decode(): int(float(v)) for k, v in meta.items() if not k.startswith(b"w_")}
     return PoolState(
         epoch=meta["epoch"], fresh=meta["fresh"], tick=meta["tick"], ticket=meta["ticket"],
-        pages={int(k): _record(msgpack.unpackb(v, raw=True)) for k, v in pages.items()},
+        pages=_records(pages, rf, path),
         free=deque(int(x) for x in free),
         ep={h: tuple(msgpack.unpackb(v)) for h, v in ep.items()},
         ck={h: int(v) for h, v in ck.items()},
@@ -38,6 +39,19 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
         tix={int(k): [r.decode() for r in msgpack.unpackb(v, raw=True)] for k, v in tix.items()},
         lru_page_count=meta["lru_pages"],
     )
+
+
+def _records(pages: dict[bytes, bytes], rf: dict[bytes, bytes],
+             path: dict[bytes, bytes]) -> dict[int, dict[str, Any]]:
+    """Lead records with the ready fill and path the scripts keep in hashes of their own merged
+    back in, as the reference model holds them."""
+    out = {}
+    for key, raw in pages.items():
+        rec = _record(msgpack.unpackb(raw, raw=True))
+        if key in rf:
+            rec["rf"], rec["path"] = int(rf[key]), path.get(key, b"")
+        out[int(key)] = rec
+    return out
 
 
 def _record(raw: dict[bytes, Any]) -> dict[str, Any]:
@@ -65,12 +79,12 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
     free = list(state.free)
     assert len(free) == len(set(free)), "a page is twice on the free list"
     assert all(0 <= p < state.fresh for p in free), "free list holds a never-allocated page"
-    assert not set(free) & set(state.pages), "a page is both free and referenced"
-    assert len(free) + len(state.pages) == state.fresh <= num_pages, "pages leaked or double-counted"
-    leads = {pid: rec for pid, rec in state.pages.items() if "pages" in rec}
-    for pid, rec in state.pages.items():
-        if "lead" in rec:
-            assert pid in leads[rec["lead"]]["pages"], f"page {pid} lost its page set"
+    leads = state.pages
+    held = [pid for rec in leads.values() for pid in rec["pages"]]
+    assert all(rec["pages"][0] == lead for lead, rec in leads.items()), "a record off its lead"
+    assert len(held) == len(set(held)), "a page belongs to two page sets"
+    assert not set(free) & set(held), "a page is both free and referenced"
+    assert len(free) + len(held) == state.fresh <= num_pages, "pages leaked or double-counted"
     for lead, rec in leads.items():
         _check_lead(state, lead, rec, blocks_per_page)
     for h, (lead, fill) in state.ep.items():
@@ -98,7 +112,7 @@ def _check_lead(state: PoolState, lead: int, rec: dict[str, Any], blocks_per_pag
     assert rec["kids"] == kids, f"page {lead} counts {rec['kids']} children, has {kids}"
     if rec["par"] >= 0:
         parent = state.pages[rec["par"]]
-        assert parent["path"] + [rec["par"]] == rec["path"], f"page {lead} path broken"
+        assert parent["path"] + pack_ids(parent["pages"]) == rec["path"], f"page {lead} path broken"
         if rec["rf"] > 0:
             assert parent["rf"] == blocks_per_page, f"ready page {lead} under a page not ready"
 
@@ -115,7 +129,7 @@ def _expected_pins(state: PoolState) -> dict[int, int]:
         add(r["pin"])
         for item in r["pend"]:
             add(item["unpin"])
-        for lead in r["mla"][r["shared"]:]:
+        for lead in r["own"]:
             if state.pages[lead]["owner"] != "":
                 add(lead)
         add(r["state"])

@@ -11,6 +11,7 @@ import re
 from typing import Any, Sequence
 
 import msgpack
+import numpy as np
 from redis.asyncio import Redis
 
 from cachetier.config import Config
@@ -21,7 +22,7 @@ from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResu
                            ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal, StepRequest)
 from index.scripts import Scripts
 
-KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix")
+KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "rf", "path")
 _POOL_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
@@ -65,11 +66,13 @@ class PrefixIndex:
 
     async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         self._check_batch(requests)
-        reply = await self._call("plan_step", [_pack([self._encode(r) for r in requests])])
+        blobs = [bytes(r.hashes) for r in requests if r.is_new]
+        reply = await self._call("plan_step", [_pack(self._encode_batch(requests)), *blobs])
         if not reply["ok"]:
             return StepRefusal(reply["reason"].decode(), reply["need"], reply["available"])
+        groups = self.config.model.mla_groups
         return StepPlan(ticket=reply["ticket"], epoch=reply["epoch"],
-                        requests=[_request_plan(r) for r in reply["requests"]],
+                        requests=[_request_plan(r, groups) for r in reply["requests"]],
                         evicted=reply["evicted"], removed=_removals(reply["removed"]))
 
     async def confirm(self, ticket: int) -> int:
@@ -113,6 +116,17 @@ class PrefixIndex:
             raise
         return _decode_keys(msgpack.unpackb(raw, raw=True))
 
+    def _encode_batch(self, requests: Sequence[StepRequest]) -> list[dict[str, Any]]:
+        """New requests name their hash blob by position among the extra script arguments."""
+        items, blobs = [], 0
+        for r in requests:
+            item = self._encode(r)
+            if r.is_new:
+                blobs += 1
+                item["hashes"] = blobs
+            items.append(item)
+        return items
+
     def _encode(self, r: StepRequest) -> dict[str, Any]:
         if not isinstance(r.rid, str) or not r.rid:
             raise ValueError(f"request id must be a non-empty string, got {r.rid!r}")
@@ -124,7 +138,7 @@ class PrefixIndex:
             if len(r.hashes) != blocks * self._hash_len:
                 raise ValueError(f"{r.rid}: {len(r.hashes)} hash bytes for {r.prompt_tokens} tokens; "
                                  f"expected {blocks} hashes of {self._hash_len} bytes")
-            item.update(tokens=r.prompt_tokens, hashes=bytes(r.hashes))
+            item["tokens"] = r.prompt_tokens
         return item
 
     def _check_batch(self, requests: Sequence[StepRequest]) -> None:
@@ -161,9 +175,20 @@ def _removals(raw: Any) -> list[Removal]:
     return [Removal(kind.decode(), h) for kind, h in _list(raw)]
 
 
-def _request_plan(r: dict[str, Any]) -> RequestPlan:
+def _page_table(shared: bytes, own: list[list[int]], groups: int) -> list[list[int]]:
+    """[group][slot]: the cached slots arrive packed (uint32 per page, slot-major), the request's
+    own page sets after them."""
+    table = np.frombuffer(shared, dtype="<u4").reshape(-1, groups).T.tolist()
+    for page_set in own:
+        for g in range(groups):
+            table[g].append(page_set[g])
+    return table
+
+
+def _request_plan(r: dict[str, Any], groups: int) -> RequestPlan:
     return RequestPlan(
         rid=r["rid"].decode(), hit_tokens=r["hit"], start=r["start"], stop=r["stop"],
-        mla_pages=[list(g) for g in _list(r["mla"])], state_pages=list(_list(r["state"])),
+        mla_pages=_page_table(r["shared"], _list(r["own"]), groups),
+        state_pages=list(_list(r["state"])),
         checkpoint_pages=list(_list(r["ckpt"])), checkpoint_tokens=r["ckpt_tokens"],
         copies=[PageCopy(*c) for c in _list(r["copies"])])

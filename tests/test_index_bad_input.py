@@ -43,31 +43,46 @@ async def raw(d, script: str, *args):
 
 
 GOOD_HASHES = chain_hashes(list(range(12)), ROOT, 4)
+
+
+def new_item(rid="x", compute=1, tokens=12, hashes=1, ckpt=1) -> dict:
+    return {"rid": rid, "compute": compute, "ckpt": ckpt, "tokens": tokens, "hashes": hashes}
+
+
 RAW_PLAN_CASES = {
-    "not msgpack": b"\xc1\xc1",
-    "rid not a string": packed([{"rid": 5, "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}]),
-    "compute a string": packed([{"rid": "x", "compute": "many", "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}]),
-    "compute zero": packed([{"rid": "x", "compute": 0, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}]),
-    "tokens fractional": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 12.5, "hashes": GOOD_HASHES}]),
-    "hashes short": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES[:-1]}]),
-    "hashes for the wrong length": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 16, "hashes": GOOD_HASHES}]),
-    "ckpt not 0/1": packed([{"rid": "x", "compute": 1, "ckpt": 2, "tokens": 12, "hashes": GOOD_HASHES}]),
-    "duplicate rid": packed([{"rid": "x", "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}] * 2),
-    "over max_batch": packed([{"rid": f"x{i}", "compute": 1, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES}
-                              for i in range(CONFIG.cache.max_batch + 1)]),
-    "continue uncommitted": packed([{"rid": "mid", "compute": 1, "ckpt": 1}]),
-    "valid then bad": packed([{"rid": "ok", "compute": 4, "ckpt": 1, "tokens": 12, "hashes": GOOD_HASHES},
-                              {"rid": "bad", "compute": -1, "ckpt": 1}]),
+    "not msgpack": (b"\xc1\xc1", [GOOD_HASHES]),
+    "rid not a string": (packed([new_item(rid=5)]), [GOOD_HASHES]),
+    "compute a string": (packed([new_item(compute="many")]), [GOOD_HASHES]),
+    "compute zero": (packed([new_item(compute=0)]), [GOOD_HASHES]),
+    "tokens fractional": (packed([new_item(tokens=12.5)]), [GOOD_HASHES]),
+    "hashes short": (packed([new_item()]), [GOOD_HASHES[:-1]]),
+    "hashes for the wrong length": (packed([new_item(tokens=16)]), [GOOD_HASHES]),
+    "hashes argument missing": (packed([new_item(hashes=2)]), [GOOD_HASHES]),
+    "hashes inline": (packed([new_item(hashes=GOOD_HASHES)]), []),
+    "ckpt not 0/1": (packed([new_item(ckpt=2)]), [GOOD_HASHES]),
+    "duplicate rid": (packed([new_item(), new_item(hashes=2)]), [GOOD_HASHES] * 2),
+    "over max_batch": (packed([new_item(rid=f"x{i}", hashes=i + 1) for i in range(CONFIG.cache.max_batch + 1)]),
+                       [GOOD_HASHES] * (CONFIG.cache.max_batch + 1)),
+    "continue uncommitted": (packed([{"rid": "mid", "compute": 1, "ckpt": 1}]), []),
+    "valid then bad": (packed([new_item(rid="ok", compute=4), {"rid": "bad", "compute": -1, "ckpt": 1}]),
+                       [GOOD_HASHES]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(RAW_PLAN_CASES))
 async def test_bad_plan_is_refused_without_a_write(warm, redis, case):
+    batch, blobs = RAW_PLAN_CASES[case]
     before = await dump(redis)
     with pytest.raises(BadRequest) as err:
-        await raw(warm, "plan_step", RAW_PLAN_CASES[case])
+        await raw(warm, "plan_step", batch, *blobs)
     assert str(err.value) and "script" not in str(err.value)
     assert await dump(redis) == before
+
+
+async def test_the_raw_plan_cases_are_valid_once_fixed(warm):
+    """The cases above fail for the reason they name: the same call with good values succeeds."""
+    reply = msgpack.unpackb(await raw(warm, "plan_step", packed([new_item()]), GOOD_HASHES), raw=True)
+    assert reply[b"ok"] == 1
 
 
 COMMIT_CASES = {

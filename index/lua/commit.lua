@@ -45,34 +45,34 @@ end
 local ticket = m.ticket + 1
 local removed = {}
 
--- Hang an owned page under its chain: the parent is whatever page holds the previous page-end.
-local function attach(rid, rec, slot, blob)
-  local path, par = {}, -1
+-- Hang an owned page under its chain: the parent is whatever page holds the previous page-end,
+-- and the page's path (its ancestors' page sets) is the parent's path plus the parent's set.
+local function attach(rid, lead, rec, slot, hash_at)
+  local par = -1
   if slot > 0 then
-    local e = get_ep(block_hash(blob, HL, slot * PB))
+    local e = get_ep(hash_at(slot * PB))
     if e == nil then return false end
     local parent = get_rec(e[1])
-    if parent.rf < PB and parent.owner ~= rid then return false end
-    for _, id in ipairs(parent.path) do path[#path + 1] = id end
-    path[#path + 1] = e[1]
+    if get_rf(e[1]) < PB and parent.owner ~= rid then return false end
+    redis.call("HSET", K_PATH, lead, (redis.call("HGET", K_PATH, e[1]) or "") .. pack_ids(parent.pages))
     par = e[1]
     parent.kids = parent.kids + 1
     save_lead(m, e[1], parent)
   end
-  rec.path, rec.par = path, par
-  rec.st, rec.depth, rec.eps, rec.cks, rec.rf, rec.fill = "pending", (slot + 1) * PB * B, {}, {}, 0, 0
+  redis.call("HSET", K_RF, lead, 0)
+  rec.par, rec.st, rec.depth, rec.eps, rec.cks, rec.fill = par, "pending", (slot + 1) * PB * B, {}, {}, 0
   return true
 end
 
-local function register_endpoints(rid, r, blob, upto, fills)
+local function register_endpoints(rid, r, hash_at, upto, fills)
   local count = 0
   for i = r.reg + 1, upto do
-    local h = block_hash(blob, HL, i)
+    local h = hash_at(i)
     if redis.call("HEXISTS", K_EP, h) == 0 then
       local slot = math.floor((i - 1) / PB)
-      local lead = r.mla[slot + 1]
+      local lead = r.own[slot - r.shared + 1]
       local rec = get_rec(lead)
-      if rec.st == "private" and not attach(rid, rec, slot, blob) then return count end
+      if rec.st == "private" and not attach(rid, lead, rec, slot, hash_at) then return count end
       rec.fill = i - slot * PB
       rec.eps[#rec.eps + 1] = {h, rec.fill}
       redis.call("HSET", K_EP, h, cmsgpack.pack({lead, rec.fill}))
@@ -85,14 +85,11 @@ local function register_endpoints(rid, r, blob, upto, fills)
   return count
 end
 
-local function register_checkpoint(rid, r, blob, blocks, turn_end, p)
-  local h = block_hash(blob, HL, blocks)
+local function register_checkpoint(rid, r, hash_at, blocks, turn_end, p)
+  local h = hash_at(blocks)
   local existing = redis.call("HGET", K_CK, h)
   local e = get_ep(h)
-  if e ~= nil then
-    local z = get_rec(e[1])
-    if z.rf < e[2] and z.owner ~= rid then e = nil end
-  end
+  if e ~= nil and get_rf(e[1]) < e[2] and get_rec(e[1]).owner ~= rid then e = nil end
   local ck_lead = r.ck
   r.ck = -1
   if existing or e == nil then
@@ -146,11 +143,12 @@ for n, item in ipairs(batch) do
   local r = reqs[n]
   drop_restore_pins(r)
   local blob = redis.call("HGET", K_REQH, item.rid)
+  local function hash_at(i) return block_hash(blob, HL, i - r.hoff) end
   local p = {t = ticket, fills = {}, unpin = -1, ck = -1, ckh = ""}
-  local count = register_endpoints(item.rid, r, blob, math.floor(item.stop / B), p.fills)
+  local count = register_endpoints(item.rid, r, hash_at, math.floor(item.stop / B), p.fills)
   local ck_state = "none"
   if item.ckpt_tokens > 0 then
-    ck_state = register_checkpoint(item.rid, r, blob, item.ckpt_tokens / B, item.turn_end, p)
+    ck_state = register_checkpoint(item.rid, r, hash_at, item.ckpt_tokens / B, item.turn_end, p)
   elseif r.ck >= 0 then
     free_set(m, get_rec(r.ck))
     r.ck = -1

@@ -22,8 +22,8 @@ local function settle(item)
   for lead, fill in pairs(item.fills) do
     local id = tonumber(lead)
     local rec = get_rec(id)
-    if rec ~= nil and rec.st ~= "private" and rec.rf < fill then
-      rec.rf = fill
+    if rec ~= nil and rec.st ~= "private" and get_rf(id) < fill then
+      redis.call("HSET", K_RF, id, fill)
       rec.st = "ready"
       save_lead(m, id, rec)
     end

@@ -8,15 +8,20 @@
 --   KEYS[5] ck     HASH  checkpoint: boundary chained hash -> lead page id of its KDA page set
 --   KEYS[6] lru    ZSET  evictable lead page ids, scored by the pool's eviction weights
 --   KEYS[7] req    HASH  request id -> msgpack request record
---   KEYS[8] reqh   HASH  request id -> its prompt's chained hashes (one blob)
+--   KEYS[8] reqh   HASH  request id -> its prompt's chained hashes from its first own page on
 --   KEYS[9] tix    HASH  ticket -> msgpack list of request ids to confirm
+--   KEYS[10] rf    HASH  registered MLA lead -> ready (confirmed) hash blocks: matching reads it
+--                        without decoding the page record
+--   KEYS[11] path  HASH  registered MLA lead -> the page sets of all its ancestors, slot by slot,
+--                        as little-endian uint32 page ids: the page table of any hit through it
 --
 -- A "page set" is one page per cache group of one kind (MLA or KDA), allocated, pinned and freed
--- as a unit; its first page is the lead and holds the record. Non-lead pages hold {lead = id}.
+-- as a unit; its first page is the lead and holds the record; the other pages have none.
 -- Errors are raised as "CT_<CODE> message" before any write, so a failed call changes nothing.
 
-local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10],
+  KEYS[11]
 
 local function fail(code, msg)
   error({err = "CT_" .. code .. " " .. msg})
@@ -61,6 +66,23 @@ local function get_ep(h)
   return cmsgpack.unpack(raw)
 end
 
+local function get_rf(lead)
+  return tonumber(redis.call("HGET", K_RF, lead))
+end
+
+-- An endpoint is matchable once its page has confirmed at least its fill.
+local function matchable(h)
+  local e = get_ep(h)
+  if e == nil or get_rf(e[1]) < e[2] then return nil end
+  return e
+end
+
+local function pack_ids(ids)
+  local out = {}
+  for i, id in ipairs(ids) do out[i] = struct.pack("<I4", id) end
+  return table.concat(out)
+end
+
 local function block_hash(blob, hl, i)
   return string.sub(blob, (i - 1) * hl + 1, i * hl)
 end
@@ -96,25 +118,22 @@ end
 
 local function alloc_set(m, kind, n, owner)
   local ids = {}
-  for g = 1, n do
-    local id = redis.call("LPOP", K_FREE)
-    if id then id = tonumber(id) else
-      id = m.fresh
-      m.fresh = m.fresh + 1
-    end
-    ids[g] = id
+  for _, id in ipairs(redis.call("LPOP", K_FREE, n) or {}) do ids[#ids + 1] = tonumber(id) end
+  while #ids < n do
+    ids[#ids + 1] = m.fresh
+    m.fresh = m.fresh + 1
   end
-  for g = 2, n do put_rec(ids[g], {lead = ids[1], k = kind, g = g - 1}) end
   put_rec(ids[1], {k = kind, g = 0, pages = ids, st = "private", ref = 1, owner = owner,
                    lu = 0, dur = 0, depth = 0, kids = 0})
   return ids[1], ids
 end
 
 local function free_set(m, rec)
-  for _, id in ipairs(rec.pages) do
-    redis.call("HDEL", K_PAGES, id)
-    redis.call("RPUSH", K_FREE, id)
-  end
+  local lead = rec.pages[1]
+  redis.call("HDEL", K_PAGES, lead)
+  redis.call("HDEL", K_RF, lead)
+  redis.call("HDEL", K_PATH, lead)
+  redis.call("RPUSH", K_FREE, unpack(rec.pages))
   m.lru_pages = m.lru_pages - #rec.pages * redis.call("ZREM", K_LRU, rec.pages[1])
 end
 

@@ -1,13 +1,17 @@
 -- plan_step.lua - lookup + pin + allocate for a whole scheduling step, atomically.
 --
--- KEYS   - the pool's keys, see lib.lua
+-- KEYS    - the pool's keys, see lib.lua
 -- ARGV[1] - epoch the caller planned against
--- ARGV[2] - msgpack list of requests: {rid = str, tokens = prompt length (new only),
---           hashes = chained hashes of every complete hash block (new only), compute = tokens to
---           compute this step, ckpt = 0|1 (persist a checkpoint when crossing a hash block)}
---           A request id already active continues its prefill; an unknown one is looked up.
--- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, start, stop, mla, state, ckpt,
---           ckpt_tokens, copies}}, evicted = n} or {ok = 0, reason, need, available}
+-- ARGV[2] - msgpack list of requests: {rid = str, compute = tokens to compute this step,
+--           ckpt = 0|1 (persist a checkpoint when crossing a hash block), and for a new request
+--           tokens = prompt length, hashes = n: ARGV[2 + n] holds the chained hashes of every
+--           complete hash block}. An active request id continues its prefill; an unknown one is
+--           looked up.
+-- ARGV[3..] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
+-- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, start, stop, shared, own, state,
+--           ckpt, ckpt_tokens, copies}}, evicted, removed} where `shared` is the packed page table
+--           of the slots served from the cache and `own` the request's page sets after them; or
+--           {ok = 0, reason, need, available}
 --
 -- Order matters (DESIGN.md invariant 1): every hit of the step is pinned before the first
 -- eviction or allocation, so allocating for one request can never evict what another just hit.
@@ -18,15 +22,6 @@ local batch = unpack_arg(batch_blob, "batch")
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 local PT = B * PB
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
-
--- Readiness of the endpoint for chained hash h: its page has confirmed at least `fill` blocks.
-local function matchable(h)
-  local e = get_ep(h)
-  if e == nil then return nil end
-  local rec = get_rec(e[1])
-  if rec.rf >= e[2] then return e end
-  return nil
-end
 
 -- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
 -- endpoints inside the first missing page. Returns the deepest matchable block count.
@@ -75,38 +70,44 @@ local function check_request(item, seen)
   if r then
     if r.stop ~= r.pos then fail("BADINPUT", item.rid .. ": previous step not committed") end
     if r.pos >= r.tokens then fail("BADINPUT", item.rid .. ": prompt already complete") end
-    return r
+    return r, nil
   end
   if not is_int(item.tokens, 1, 1099511627776) then fail("BADINPUT", item.rid .. ": tokens must be an integer >= 1") end
-  if type(item.hashes) ~= "string" or #item.hashes ~= math.floor(item.tokens / B) * HL then
+  local blob = is_int(item.hashes, 1, #ARGV - 2) and ARGV[2 + item.hashes]
+  if not blob or #blob ~= math.floor(item.tokens / B) * HL then
     fail("BADINPUT", item.rid .. ": hashes must hold one " .. HL .. "-byte hash per complete " .. B .. "-token block")
   end
-  return nil
+  return nil, blob
+end
+
+-- The hit through anchor page z with `fill` blocks: its ancestors' page sets are served from the
+-- cache, and z itself too when the hit ends on its page end; otherwise z is the copy source.
+local function hit_pages(p, e)
+  p.anchor = e[1]
+  p.shared = redis.call("HGET", K_PATH, e[1]) or ""
+  if e[2] == PB then
+    p.shared = p.shared .. pack_ids(get_rec(e[1]).pages)
+  else
+    p.cow = e[2]
+  end
 end
 
 -- Phase A (read-only): validate, look up, and size every request.
 local plans, seen, pinned_in_lru, need = {}, {}, {}, 0
 for n, item in ipairs(batch) do
-  local r = check_request(item, seen)
-  local p = {item = item, r = r, anchor = -1, ckpt = -1, hit = 0, shared = {}, cow = 0}
+  local r, blob = check_request(item, seen)
+  local p = {item = item, r = r, blob = blob, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
   if r == nil then
-    local usable = math.min(#item.hashes / HL, math.floor((item.tokens - 1) / B))
-    local depth = mla_match(item.hashes, usable)
-    if depth > 0 then p.hit, p.ckpt = kda_match(item.hashes, depth) end
-    if p.hit > 0 then
-      local e = get_ep(block_hash(item.hashes, HL, p.hit))
-      local zrec = get_rec(e[1])
-      p.anchor = e[1]
-      for _, id in ipairs(zrec.path) do p.shared[#p.shared + 1] = id end
-      if e[2] == PB then p.shared[#p.shared + 1] = e[1] else p.cow = e[2] end
-    end
-    p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared
-    for _, id in ipairs({p.anchor, p.ckpt}) do
-      if id >= 0 and redis.call("ZSCORE", K_LRU, id) then pinned_in_lru[id] = #get_rec(id).pages end
-    end
+    local usable = math.min(#blob / HL, math.floor((item.tokens - 1) / B))
+    local depth = mla_match(blob, usable)
+    if depth > 0 then p.hit, p.ckpt = kda_match(blob, depth) end
+    if p.hit > 0 then hit_pages(p, get_ep(block_hash(blob, HL, p.hit))) end
+    p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
+    if p.anchor >= 0 and redis.call("ZSCORE", K_LRU, p.anchor) then pinned_in_lru[p.anchor] = m.mla_groups end
+    if p.ckpt >= 0 and redis.call("ZSCORE", K_LRU, p.ckpt) then pinned_in_lru[p.ckpt] = m.kda_groups end
     need = need + m.kda_groups
   else
-    p.start, p.tokens, p.slots_have = r.pos, r.tokens, #r.mla
+    p.start, p.tokens, p.slots_have = r.pos, r.tokens, r.shared + #r.own
   end
   p.stop = math.min(p.tokens, p.start + item.compute)
   p.new_slots = math.ceil(p.stop / PT) - p.slots_have
@@ -136,29 +137,40 @@ while free_count(m) < need do
   if not evict_one(m, removed) then error("CT_CORRUPT eviction ran dry after the capacity check") end
 end
 
+-- A new request's record; it keeps the hashes from its first own page's parent on, all that
+-- commit will ever read.
+local function start_request(p, rid, copies)
+  local shared = p.slots_have
+  local hoff = math.max(shared * PB - 1, 0)
+  local r = {tokens = p.tokens, pos = p.start, hit = p.start, pin = p.anchor, spath = p.shared,
+             own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, inter = "", pend = {},
+             hoff = hoff}
+  if m.kda_groups > 0 then
+    local lead, ids = alloc_set(m, "K", m.kda_groups, rid)
+    r.state = lead
+    if p.ckpt >= 0 then
+      local src = get_rec(p.ckpt).pages
+      for g = 1, m.kda_groups do copies[#copies + 1] = {src[g], ids[g], 0, m.kda_state_bytes} end
+      r.pend[#r.pend + 1] = {t = m.ticket + 1, unpin = p.ckpt, fills = {}, ck = -1, ckh = ""}
+    end
+  end
+  redis.call("HSET", K_REQH, rid, string.sub(p.blob, hoff * HL + 1))
+  return r
+end
+
+local function page_set(lead)
+  if m.mla_groups == 1 then return {lead} end
+  return get_rec(lead).pages
+end
+
 local rids, out = {}, {}
 for n, p in ipairs(plans) do
   local rid = p.item.rid
-  local r = p.r
   local copies = {}
-  if r == nil then
-    r = {tokens = p.tokens, pos = p.start, hit = p.start, pin = p.anchor, rpin = p.ckpt,
-         mla = {}, shared = #p.shared, state = -1, ck = -1, reg = p.hit, inter = "", pend = {}}
-    for _, id in ipairs(p.shared) do r.mla[#r.mla + 1] = id end
-    if m.kda_groups > 0 then
-      local lead, ids = alloc_set(m, "K", m.kda_groups, rid)
-      r.state = lead
-      if p.ckpt >= 0 then
-        local src = get_rec(p.ckpt).pages
-        for g = 1, m.kda_groups do copies[#copies + 1] = {src[g], ids[g], 0, m.kda_state_bytes} end
-        r.pend[#r.pend + 1] = {t = m.ticket + 1, unpin = p.ckpt, fills = {}, ck = -1, ckh = ""}
-      end
-    end
-    redis.call("HSET", K_REQH, rid, p.item.hashes)
-  end
+  local r = p.r or start_request(p, rid, copies)
   for s = 1, p.new_slots do
     local lead, ids = alloc_set(m, "M", m.mla_groups, rid)
-    r.mla[#r.mla + 1] = lead
+    r.own[#r.own + 1] = lead
     if s == 1 and p.cow > 0 then
       local src = get_rec(p.anchor).pages
       for g = 1, m.mla_groups do
@@ -171,18 +183,12 @@ for n, p in ipairs(plans) do
   r.stop = p.stop
   put_req(rid, r)
   rids[n] = rid
-  local mla = {}
-  for g = 1, m.mla_groups do
-    mla[g] = {}
-    for s, lead in ipairs(r.mla) do
-      mla[g][s] = (g == 1) and lead or get_rec(lead).pages[g]
-    end
-  end
-  local state, ckpt = {}, {}
+  local own, state, ckpt = {}, {}, {}
+  for i, lead in ipairs(r.own) do own[i] = page_set(lead) end
   if r.state >= 0 then state = get_rec(r.state).pages end
   if r.ck >= 0 then ckpt = get_rec(r.ck).pages end
-  out[n] = {rid = rid, hit = r.hit, start = p.start, stop = p.stop, mla = mla, state = state,
-            ckpt = ckpt, ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0,
+  out[n] = {rid = rid, hit = r.hit, start = p.start, stop = p.stop, shared = r.spath, own = own,
+            state = state, ckpt = ckpt, ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0,
             copies = copies}
 end
 local ticket = new_ticket(m, rids)

@@ -17,10 +17,10 @@ for _, rid in ipairs(rids) do
 end
 local removed, unknown, released = {}, {}, 0
 
-local function roll_back(rec)
+local function roll_back(rec, rf)
   local keep = {}
   for _, e in ipairs(rec.eps) do
-    if e[2] > rec.rf then
+    if e[2] > rf then
       local ck = redis.call("HGET", K_CK, e[1])
       if ck and get_rec(tonumber(ck)).anchor == rec.pages[1] then drop_checkpoint(m, e[1], removed) end
       redis.call("HDEL", K_EP, e[1])
@@ -34,10 +34,11 @@ end
 local function release_page(lead)
   local rec = get_rec(lead)
   if rec.st == "private" then free_set(m, rec) return end
-  local keep = roll_back(rec)
+  local rf = get_rf(lead)
+  local keep = roll_back(rec, rf)
   rec = get_rec(lead)  -- roll_back may have rewritten this record's anchored checkpoints
-  rec.eps, rec.fill = keep, rec.rf
-  if rec.rf == 0 then
+  rec.eps, rec.fill = keep, rf
+  if rf == 0 then
     if rec.par >= 0 then
       local parent = get_rec(rec.par)
       parent.kids = parent.kids - 1
@@ -58,7 +59,7 @@ for _, rid in ipairs(rids) do
       if item.unpin >= 0 then unpin(m, item.unpin) end
       if pending_checkpoint(item) then drop_checkpoint(m, item.ckh, removed) end
     end
-    for s = #r.mla, r.shared + 1, -1 do release_page(r.mla[s]) end
+    for s = #r.own, 1, -1 do release_page(r.own[s]) end
     if r.pin >= 0 then unpin(m, r.pin) end
     if r.state >= 0 then free_set(m, get_rec(r.state)) end
     if r.ck >= 0 then free_set(m, get_rec(r.ck)) end
