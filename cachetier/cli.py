@@ -1,9 +1,11 @@
-"""The `cachetier` command: `config show` and the benchmarks.
+"""The `cachetier` command: `config show`, `serve`, `agent` and the benchmarks.
 
 Bench modules (`cachetier.bench.<name>`) are imported only when their command runs, so `config show`
 stays fast and the CLI keeps working while a benchmark is missing or broken. A bench module provides
 `add_arguments(parser)` (its own flags; it may call `add_config_arguments`) and `run(args) -> dict`,
-sync or async; the CLI owns `--json` and the printing of the result's `cases`.
+sync or async; the CLI owns `--json` and the printing of the result's `cases`. `serve` and
+`agent` (and their torch/Redis imports) are likewise imported only when they run; both stop
+cleanly on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ import asyncio
 import importlib
 import inspect
 import json
+import logging
+import os
+import signal
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from cachetier.config import PRESETS, Config, ConfigError, load_config
+from cachetier.framing import DEFAULT_MAX_FRAME
 
 BENCHES = ("lookup", "restore")
 
@@ -120,6 +127,101 @@ def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.nodes import run_service
+    from cachetier.service import ServiceSettings
+    settings = ServiceSettings(
+        redis_url=args.redis, token=_token(args), config=config_from_args(args), listen=args.listen,
+        copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
+        redis_connections=args.redis_connections)
+    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt), args.log_level)
+
+
+def _announce_listening(url: str) -> None:
+    """The line `cachetier up` and the tests wait for: the service answers from now on."""
+    print(f"cachetier serve: listening on {url}", flush=True)
+
+
+def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.agent import AgentSettings
+    from cachetier.nodes import run_agent
+    settings = AgentSettings(
+        services=tuple(args.service), pool=args.pool, token=_token(args), rank=args.rank,
+        tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
+        max_frame=args.max_frame, debug=args.debug)
+    return _run_until_signal(run_agent(settings, args.mqtt), args.log_level)
+
+
+def _token(args: argparse.Namespace) -> str:
+    token = args.token or os.environ.get("CACHETIER_TOKEN", "")
+    if not token:
+        raise ConfigError("--token", "required (or set CACHETIER_TOKEN)")
+    return token
+
+
+def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str) -> int:
+    """Run `main` until it returns or SIGTERM/SIGINT cancels it, which is a clean stop (0);
+    an error it ends with is printed (1)."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def until_signal() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+        try:
+            await main
+        except asyncio.CancelledError:
+            pass  # a signal: the clean way out
+
+    try:
+        asyncio.run(until_signal())
+    except Exception as exc:
+        print(f"cachetier: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """What `serve` and `agent` share: the token, the broker, the frame limit and logging."""
+    parser.add_argument("--token", help="shared secret of the cluster (default: $CACHETIER_TOKEN)")
+    parser.add_argument("--mqtt", metavar="URL",
+                        help="mqtt://HOST:PORT of the broker for cache events and liveness")
+    parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
+                        help="largest frame accepted (default 64 MiB)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+
+
+def _add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="run the control-plane service")
+    serve.add_argument("--redis", required=True, metavar="URL",
+                       help="redis://HOST:PORT or unix:///PATH")
+    serve.add_argument("--listen", default="tcp://127.0.0.1:7400", metavar="URL",
+                       help="tcp://HOST:PORT (port 0: any free port) or unix:///PATH")
+    serve.add_argument("--copy-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="how long a step waits for the agents' copy acks")
+    serve.add_argument("--redis-connections", type=int, default=64)
+    add_config_arguments(serve)
+    _add_node_arguments(serve)
+    serve.set_defaults(handler=_serve)
+
+
+def _add_agent_parser(commands: Any) -> None:
+    agent = commands.add_parser("agent", help="hold one rank's share of a pool and run its copies")
+    agent.add_argument("--service", action="append", required=True, metavar="URL",
+                       help="a service replica to register with (repeat for each replica)")
+    agent.add_argument("--pool", required=True, help="pool id")
+    agent.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
+    agent.add_argument("--tp-degree", type=int, default=1, help="tensor-parallel degree")
+    agent.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    agent.add_argument("--handle-file", type=Path, metavar="PATH",
+                       help="where to write the pickled PoolHandle a worker attaches with")
+    agent.add_argument("--debug", action="store_true", help="check page type tags on every view")
+    _add_node_arguments(agent)
+    agent.set_defaults(handler=_agent)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command tree; bench flags are parsed later, by the bench module's own parser."""
     parser = argparse.ArgumentParser(prog="cachetier", description=__doc__.splitlines()[0])
@@ -135,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in BENCHES:
         benches.add_parser(name, add_help=False, help=f"`cachetier bench {name} --help` for flags")
     bench.set_defaults(handler=_bench)
+    _add_serve_parser(commands)
+    _add_agent_parser(commands)
     return parser
 
 

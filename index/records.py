@@ -64,9 +64,6 @@ class StepPlan:
     evicted: int
     removed: list[Removal] = field(default_factory=list)
 
-    def by_rid(self) -> dict[str, RequestPlan]:
-        return {r.rid: r for r in self.requests}
-
 
 @dataclass(frozen=True)
 class StepRefusal:

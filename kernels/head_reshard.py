@@ -12,13 +12,13 @@ destination layout.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton.language as tl
 
-from kernels._launch import (Backend, LazyJit, as_rows, as_words, block_rule,
-                             check_buffers, check_pairs, chunks, pick_backend, word_width)
+from kernels._launch import (Backend, Buffer, LazyJit, as_batch, block_rule, check_buffers,
+                             check_pairs, chunks, pick_backend, word_width)
 from kernels.head_reshard_ref import head_reshard_ref
 
 
@@ -64,29 +64,33 @@ def head_reshard(src: torch.Tensor, dst: torch.Tensor, pages: torch.Tensor | Seq
     byte `(h - src_heads.start) * head_bytes` of a src slot and is written at
     `(h - dst_heads.start) * head_bytes` of the dst slot.
     """
-    check_buffers(src, dst)
-    rows = as_rows(pages, 2, "pages")
-    moved = _moved_heads(src, dst, head_bytes, src_heads, dst_heads, heads)
-    check_pairs(src, dst, rows)
-    backend = pick_backend(src.device, "head_reshard")
-    if rows.size(0) == 0 or len(moved) == 0:
+    src_buf, dst_buf = check_buffers(src, dst)
+    batch = as_batch(pages, 2, "pages")
+    moved = _moved_heads(src_buf, dst_buf, head_bytes, src_heads, dst_heads, heads)
+    backend = pick_backend(src_buf.device_type, "head_reshard")
+    if batch.size == 0:
+        return backend
+    check_pairs(src_buf, dst_buf, batch)
+    if not moved:
         return backend
     src_offset = (moved.start - src_heads.start) * head_bytes
     dst_offset = (moved.start - dst_heads.start) * head_bytes
+    nbytes = len(moved) * head_bytes
     if backend == "torch":
-        head_reshard_ref(src, dst, rows, src_offset, dst_offset, len(moved) * head_bytes)
-        return backend
-    _launch(src, dst, rows, src_offset, dst_offset, len(moved) * head_bytes)
+        head_reshard_ref(src, dst, batch.rows, src_offset, dst_offset, nbytes)
+    else:
+        _launch(src, dst, src_buf, dst_buf, batch.rows, src_offset, dst_offset, nbytes)
     return backend
 
 
-def _moved_heads(src: torch.Tensor, dst: torch.Tensor, head_bytes: int, src_heads: range,
-                 dst_heads: range, heads: range | None) -> range:
+def _moved_heads(src: Buffer, dst: Buffer, head_bytes: int, src_heads: range, dst_heads: range,
+                 heads: range | None) -> range:
     if head_bytes <= 0:
         raise ValueError(f"head_bytes must be positive, got {head_bytes}")
     for name, held, buf in (("src", src_heads, src), ("dst", dst_heads, dst)):
-        if held.step != 1 or len(held) * head_bytes > buf.size(2):
-            raise ValueError(f"{name}_heads {held} do not fit contiguously in {buf.size(2)}-byte pages")
+        if held.step != 1 or len(held) * head_bytes > buf.page_bytes:
+            raise ValueError(f"{name}_heads {held} do not fit contiguously in {buf.page_bytes}-byte "
+                             "pages")
     both = range(max(src_heads.start, dst_heads.start), min(src_heads.stop, dst_heads.stop))
     moved = both if heads is None else heads
     if len(moved) and (moved.step != 1 or moved.start < both.start or moved.stop > both.stop):
@@ -94,14 +98,14 @@ def _moved_heads(src: torch.Tensor, dst: torch.Tensor, head_bytes: int, src_head
     return moved
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, src_offset: int,
-            dst_offset: int, nbytes: int) -> None:
-    width = word_width((src, dst), (src_offset, dst_offset, nbytes))
-    src_w, dst_w = as_words(src, width), as_words(dst, width)
+def _launch(src: torch.Tensor, dst: torch.Tensor, src_buf: Buffer, dst_buf: Buffer,
+            rows: torch.Tensor, src_offset: int, dst_offset: int, nbytes: int) -> None:
+    width = word_width((src_buf.align, dst_buf.align, src_offset, dst_offset, nbytes))
+    src_w, dst_w = src_buf.words(width), dst_buf.words(width)
     block, num_warps = block_rule(nbytes, width)
-    grid = (rows.size(0) * src.size(0), chunks(nbytes // width, block))
+    grid = (rows.size(0) * src_buf.slots, chunks(nbytes // width, block))
     _KERNEL.kernel()[grid](
-        src_w, dst_w, rows.to(src.device, non_blocking=True),
-        src_w.stride(0), src_w.stride(1), dst_w.stride(0), dst_w.stride(1), src.size(0),
+        src_w, dst_w, rows.contiguous().to(src.device, non_blocking=True),
+        src_w.stride(0), src_w.stride(1), dst_w.stride(0), dst_w.stride(1), src_buf.slots,
         src_offset // width, dst_offset // width, nbytes // width,
         BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)  # integers only: no FP to fuse

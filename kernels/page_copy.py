@@ -8,23 +8,26 @@ arithmetic ever touches the payload, so bf16 or fp8 bits pass through unchanged.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton.language as tl
 
-from kernels._launch import (Backend, LazyJit, as_rows, as_words, block_rule, check_buffers,
-                             check_pairs, chunks, pick_backend, word_width)
-from kernels.page_copy_ref import page_copy_ref
+from kernels._launch import (Backend, Batch, Buffer, LazyJit, as_batch, block_rule, check_buffers,
+                             check_pairs, chunks, pick_backend, shown, word_width)
+from kernels.page_copy_ref import copy_group, page_copy_ref
 
 
 def _page_copy_kernel(
     src_ptr,  # [slots, src_pages, src_page_words] words: the source buffer
     dst_ptr,  # [slots, dst_pages, dst_page_words] words: the destination buffer
-    batch_ptr,  # [pairs, 4] int64: src_page, dst_page, word_offset, word_count
+    batch_ptr,  # [pairs, 4] int64: src_page, dst_page, byte_offset, byte_count
     src_slot_stride, src_page_stride,  # words
     dst_slot_stride, dst_page_stride,  # words
     slots,  # layer slots per page
+    word_bytes,  # bytes per word: divides every offset and count of the batch
     BLOCK: tl.constexpr,  # words per loop iteration
 ):
     # program_id(0): one (pair, slot); program_id(1): a chunk of the range, striding over the rest
@@ -34,8 +37,8 @@ def _page_copy_kernel(
     row = batch_ptr + pair * 4
     src_page = tl.load(row)
     dst_page = tl.load(row + 1)
-    offset = tl.load(row + 2)
-    count = tl.load(row + 3)
+    offset = tl.load(row + 2) // word_bytes
+    count = tl.load(row + 3) // word_bytes
     src = src_ptr + slot * src_slot_stride + src_page * src_page_stride + offset
     dst = dst_ptr + slot * dst_slot_stride + dst_page * dst_page_stride + offset
     lanes = tl.arange(0, BLOCK).to(tl.int64)
@@ -59,36 +62,47 @@ def page_copy(src: torch.Tensor, dst: torch.Tensor,
     two pools/staging buffers with the same slot count). Destination ranges must not overlap each
     other or a source range of the batch. An empty batch is a no-op.
     """
-    check_buffers(src, dst)
-    rows = as_rows(batch, 4, "batch")
-    _check_rows(src, dst, rows)
-    backend = pick_backend(src.device, "page_copy")
-    if rows.size(0) == 0:
+    src_buf, dst_buf = check_buffers(src, dst)
+    rows = as_batch(batch, 4, "batch")
+    backend = pick_backend(src_buf.device_type, "page_copy")
+    if rows.size == 0:
         return backend
-    if backend == "torch":
-        page_copy_ref(src, dst, rows)
-        return backend
-    _launch(src, dst, rows)
+    check_pairs(src_buf, dst_buf, rows)
+    limit = min(src_buf.page_bytes, dst_buf.page_bytes)
+    if min(rows.low[2], rows.low[3]) < 0 or rows.high[2] + rows.high[3] > limit:
+        _check_ranges(rows, limit)  # the bounds alone do not prove that every range fits
+    if backend == "triton":
+        _launch(src, dst, src_buf, dst_buf, rows)
+    elif rows.uniform(2, 3):  # the usual batch: one (offset, count) for every pair
+        offset, count = rows.low[2], rows.low[3]
+        copy_group(src_buf, dst_buf, rows.array[:, 0], rows.array[:, 1], offset, offset, count)
+    else:
+        page_copy_ref(src, dst, rows.rows)
     return backend
 
 
-def _check_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
-    check_pairs(src, dst, rows)
-    offset, count = rows[:, 2], rows[:, 3]
-    limit = min(src.size(2), dst.size(2))
+def _check_ranges(batch: Batch, limit: int) -> None:
+    offset, count = batch.array[:, 2], batch.array[:, 3]
     bad = (offset < 0) | (count < 0) | (offset + count > limit)
-    if bool(bad.any()):
-        raise ValueError(f"byte ranges outside a {limit}-byte page: {rows[bad].tolist()}")
+    if bad.any():
+        raise ValueError(f"byte ranges outside a {limit}-byte page: "
+                         f"{shown(batch.array[bad].tolist())}")
 
 
-def _launch(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
-    width = word_width((src, dst), rows[:, 2:].flatten().tolist())
-    src_w, dst_w = as_words(src, width), as_words(dst, width)
-    words = rows.clone()
-    words[:, 2:] //= width
-    block, num_warps = block_rule(int(rows[:, 3].max()), width)
-    grid = (rows.size(0) * src.size(0), chunks(int(words[:, 3].max()), block))
+def _launch(src: torch.Tensor, dst: torch.Tensor, src_buf: Buffer, dst_buf: Buffer,
+            batch: Batch) -> None:
+    longest = batch.high[3]
+    if longest == 0:
+        return
+    if batch.uniform(2, 3):
+        shared = math.gcd(batch.low[2], longest)
+    else:  # their OR: a power of two divides it iff it divides every offset and count
+        shared = int(np.bitwise_or.reduce(batch.array[:, 2:], axis=None))
+    width = word_width((src_buf.align, dst_buf.align, shared))
+    src_w, dst_w = src_buf.words(width), dst_buf.words(width)
+    block, num_warps = block_rule(longest, width)
+    grid = (batch.size * src_buf.slots, chunks(longest // width, block))
     _KERNEL.kernel()[grid](
-        src_w, dst_w, words.to(src.device, non_blocking=True),
-        src_w.stride(0), src_w.stride(1), dst_w.stride(0), dst_w.stride(1), src.size(0),
+        src_w, dst_w, batch.rows.contiguous().to(src.device, non_blocking=True),
+        src_w.stride(0), src_w.stride(1), dst_w.stride(0), dst_w.stride(1), src_buf.slots, width,
         BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)  # integers only: no FP to fuse

@@ -1,19 +1,26 @@
-"""Plain torch reference for `page_copy`, and the CPU fallback the launcher uses without Triton.
+"""Reference for `page_copy` in plain torch and numpy, and the CPU fallback the launcher uses
+without Triton.
 
-Efficient enough to be the fallback: rows with the same byte range form one group, and a group is
-moved either by one gather/scatter over all its pages (small ranges, where per-call overhead would
-dominate) or by one strided copy per pair (large ranges, a single pass over the bytes).
+Efficient enough to be the fallback: rows with the same byte range form one group (found in one
+vectorised pass, never row by row), and a group moves in as few calls as its range size allows:
+- ranges of `LOOP_MIN_BYTES` or more: one strided `copy_` per pair (all layer slots at once), a
+  single pass over the bytes whose per-call cost is small next to the bytes it moves;
+- smaller ranges: one gather and one scatter over all (slot, page) ranges of the group. On CPU they
+  run on numpy record views of the same memory (one `V{bytes}` record per range, nothing copied to
+  set them up), in steps of `CHUNK_BYTES` so that the gathered records are still in cache when they
+  are scattered; numpy moves each record with one memcpy, where torch's index ops take about twice
+  as long on 1-4 KB ranges. Elsewhere (the reference on a GPU) torch's index ops move them.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
+import numpy as np
 import torch
 
-from kernels._launch import as_words, word_width
+from kernels._launch import Buffer, buffer, word_width
 
-LOOP_MIN_BYTES = 64 * 1024  # per pair, all layer slots: above this a per-pair copy is cheaper
+LOOP_MIN_BYTES = 256 * 1024  # per range and slot: from here on, one copy_ per pair
+CHUNK_BYTES = 256 * 1024  # records gathered and scattered per step: a quarter of a core's L2
 
 
 def page_copy_ref(src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
@@ -21,28 +28,45 @@ def page_copy_ref(src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> 
     copy those bytes of every layer slot of `src[:, src_page]` into `dst[:, dst_page]`."""
     if batch.numel() == 0:
         return
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, (offset, count) in enumerate(batch[:, 2:].tolist()):
-        groups[offset, count].append(i)
-    width = word_width((src, dst), [q for key in groups for q in key])
-    src_w, dst_w = as_words(src, width), as_words(dst, width)
-    for (offset, count), members in groups.items():
-        rows = batch if len(members) == batch.size(0) else batch[members]
-        copy_ranges(src_w, dst_w, rows[:, 0], rows[:, 1], offset // width, offset // width,
-                    count // width)
+    ranges, inverse, sizes = torch.unique(batch[:, 2:], dim=0, return_inverse=True,
+                                          return_counts=True)
+    groups = [batch] if ranges.size(0) == 1 else batch[inverse.argsort(stable=True)].split(
+        sizes.tolist())
+    src_buf, dst_buf = buffer(src, "src"), buffer(dst, "dst")
+    for (offset, count), rows in zip(ranges.tolist(), groups):
+        pages = rows.numpy()
+        copy_group(src_buf, dst_buf, pages[:, 0], pages[:, 1], offset, offset, count)
 
 
-def copy_ranges(src_w: torch.Tensor, dst_w: torch.Tensor, src_pages: torch.Tensor,
-                dst_pages: torch.Tensor, src_offset: int, dst_offset: int, count: int) -> None:
-    """Copy words `[src_offset, +count)` of every slot of each src page to `[dst_offset, +count)` of
-    the paired dst page (`*_w` are word views of `[slots, pages, page_words]` buffers)."""
-    if count == 0:
+def copy_group(src: Buffer, dst: Buffer, src_pages: np.ndarray, dst_pages: np.ndarray,
+               src_offset: int, dst_offset: int, nbytes: int) -> None:
+    """Copy bytes `[src_offset, +nbytes)` of every slot of each src page (1-D int64 page ids) to
+    `[dst_offset, +nbytes)` of the paired dst page."""
+    if nbytes == 0 or src_pages.size == 0 or src.slots == 0:
         return
-    src_rows = src_w.narrow(2, src_offset, count)
-    dst_rows = dst_w.narrow(2, dst_offset, count)
-    if count * src_w.element_size() * src_w.size(0) >= LOOP_MIN_BYTES:
+    if nbytes < LOOP_MIN_BYTES and src.device_type == "cpu":
+        _copy_records(src, dst, src_pages, dst_pages, src_offset, dst_offset, nbytes)
+        return
+    width = word_width((src.align, dst.align, src_offset, dst_offset, nbytes))
+    src_rows = src.words(width, src_offset // width, nbytes // width)
+    dst_rows = dst.words(width, dst_offset // width, nbytes // width)
+    if nbytes >= LOOP_MIN_BYTES:
         for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
             dst_rows.select(1, d).copy_(src_rows.select(1, s))
         return
-    src_pages, dst_pages = src_pages.to(src_w.device), dst_pages.to(dst_w.device)
-    dst_rows.index_copy_(1, dst_pages, src_rows.index_select(1, src_pages))
+    src_index = torch.from_numpy(src_pages).to(src_rows.device)
+    dst_index = torch.from_numpy(dst_pages).to(dst_rows.device)
+    dst_rows.index_copy_(1, dst_index, src_rows.index_select(1, src_index))
+
+
+def _copy_records(src: Buffer, dst: Buffer, src_pages: np.ndarray, dst_pages: np.ndarray,
+                  src_offset: int, dst_offset: int, nbytes: int) -> None:
+    src_rec, dst_rec = src.records(src_offset, nbytes), dst.records(dst_offset, nbytes)
+    src_index, dst_index = src_rec.index(src_pages), dst_rec.index(dst_pages)
+    step = max(1, CHUNK_BYTES // nbytes)
+    if src_index.size <= step:
+        dst_rec.array[dst_index] = src_rec.array[src_index]
+        return
+    src_index, dst_index = src_index.ravel(), dst_index.ravel()
+    for start in range(0, src_index.size, step):
+        dst_rec.array[dst_index[start:start + step]] = src_rec.array[src_index[start:start + step]]

@@ -7,17 +7,20 @@ Each test asserts which backend actually ran. Interpreter cases stay small: it m
 
 from __future__ import annotations
 
+import gc
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kernels import head_reshard, page_copy
-from kernels._launch import LazyJit, block_rule, word_width
+from kernels._launch import LazyJit, _buffers, block_rule, buffer, word_width
 from kernels.head_reshard_ref import head_reshard_ref
-from kernels.page_copy_ref import LOOP_MIN_BYTES, page_copy_ref
+from kernels.page_copy_ref import CHUNK_BYTES, LOOP_MIN_BYTES, page_copy_ref
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ COPY_CASES = {
     "zero-count-rows": ((2, 8, 256), [(0, 4, 0, 0), (1, 5, 16, 64), (2, 6, 256, 0)]),
     "many-pairs": ((2, 300, 64), [(i, 150 + i, i % 7, 64 - i % 7) for i in range(150)]),
     "same-range-groups": ((2, 40, 512), [(i, 20 + i, 64 * (i % 3), 128) for i in range(20)]),
+    # 140 ranges of 2 KiB: more than one CHUNK_BYTES step of the CPU gather, with a partial last one
+    "gather-in-steps": ((2, 150, 2048), [(i, 149 - i, 0, 2048) for i in range(70)]),
+    "pages-in-any-order": ((1, 12, 128), [(11, 0, 8, 64), (3, 7, 8, 64), (3, 9, 8, 64)]),
 }
 
 
@@ -100,22 +106,69 @@ def test_empty_batch_is_a_noop(target: Target, batch: Any) -> None:
     assert torch.equal(buf, before)
 
 
+def test_gather_in_steps_case_spans_several_steps() -> None:
+    shape, rows = COPY_CASES["gather-in-steps"]
+    assert shape[0] * len(rows) * rows[0][3] > CHUNK_BYTES
+
+
 def test_large_ranges_take_the_per_pair_path_and_match() -> None:
-    rows = [(0, 2, 8, LOOP_MIN_BYTES // 2), (1, 3, 0, LOOP_MIN_BYTES // 2 + 8)]
-    buf = filled((2, 4, LOOP_MIN_BYTES), torch.float32, seed=4)
+    rows = [(0, 2, 8, LOOP_MIN_BYTES), (1, 3, 0, LOOP_MIN_BYTES + 8)]
+    buf = filled((2, 4, LOOP_MIN_BYTES + 64), torch.float32, seed=4)
     expected = buf.clone()
     naive_copy(buf.clone(), expected, rows)
     page_copy_ref(buf, buf, torch.tensor(rows))
     assert torch.equal(buf, expected)
 
 
+def test_page_copy_on_buffers_whose_slot_stride_is_not_a_page_multiple(target: Target) -> None:
+    """Slots 5.5 pages apart in a bigger allocation: ranges are still found by (slot, page),
+    whatever the strides share, and no byte outside the copied ranges changes."""
+    storage = filled((1, 1, 3 * 5632), torch.float32, seed=8).view(-1).to(target.device)
+    buf = storage.as_strided((3, 4, 1024), (5632, 1024, 1))
+    rows = [(0, 3, 0, 1024), (1, 2, 512, 256)]
+    expected = storage.cpu().clone()
+    expected_view = expected.as_strided(buf.shape, buf.stride())
+    naive_copy(expected_view.clone(), expected_view, rows)
+    assert page_copy(buf, buf, rows) == target.backend
+    assert torch.equal(storage.cpu(), expected)
+
+
+def test_batch_forms_are_all_accepted(target: Target) -> None:
+    """Lists, int32 tensors, numpy arrays and non-contiguous views of a bigger tensor."""
+    rows = [(0, 4, 0, 64), (1, 5, 64, 32)]
+    wide = torch.tensor([[r[0], -1, r[1], -1, r[2], -1, r[3], -1] for r in rows])[:, ::2]
+    assert not wide.is_contiguous()
+    for form in (rows, torch.tensor(rows, dtype=torch.int32), np.array(rows), wide):
+        buf = filled((2, 8, 128), torch.float32, seed=9).to(target.device)
+        expected = buf.cpu().clone()
+        naive_copy(expected.clone(), expected, rows)
+        assert page_copy(buf, buf, form) == target.backend
+        assert torch.equal(buf.cpu(), expected)
+
+
+def test_buffer_facts_are_cached_per_tensor_and_dropped_with_it() -> None:
+    t = torch.zeros(2, 4, 64, dtype=torch.uint8)
+    first = buffer(t)
+    assert buffer(t) is first and id(t) in _buffers
+    t.set_(torch.zeros(2, 8, 32, dtype=torch.uint8))  # same object, new memory and shape
+    assert buffer(t) is not first and buffer(t).pages == 8
+    buffer(t).words(8, 1, 2), buffer(t).records(8, 16)  # cached views must not keep `t` alive
+    key = id(t)
+    del t
+    gc.collect()
+    assert key not in _buffers
+
+
 BAD_BATCHES = {
-    "src-page-past-end": ([(4, 1, 0, 8)], "src_page out of range"),
-    "negative-dst-page": ([(0, -1, 0, 8)], "dst_page out of range"),
-    "range-past-page-end": ([(0, 1, 60, 8)], "outside a 64-byte page"),
+    "src-page-past-end": ([(4, 1, 0, 8)], r"src_page out of range \[0, 4\): \[4\]"),
+    "negative-dst-page": ([(0, -1, 0, 8)], r"dst_page out of range \[0, 4\): \[-1\]"),
+    "range-past-page-end": ([(0, 1, 60, 8)], r"outside a 64-byte page: \[\[0, 1, 60, 8\]\]"),
+    "offset-past-page-end": ([(0, 1, 65, 0)], "outside a 64-byte page"),
     "negative-offset": ([(0, 1, -1, 8)], "outside"),
     "negative-count": ([(0, 1, 0, -8)], "outside"),
-    "dst-page-is-a-src-page": ([(0, 1, 0, 8), (1, 2, 0, 8)], "also a source page"),
+    "one-bad-range-among-good": ([(0, 1, 0, 8), (2, 3, 9, 56), (0, 3, 0, 8)],
+                                 r"outside a 64-byte page: \[\[2, 3, 9, 56\]\]"),
+    "dst-page-is-a-src-page": ([(0, 1, 0, 8), (1, 2, 0, 8)], r"pages \[1\] are destination pages"),
     "wrong-columns": ([(0, 1, 0)], r"shape \[n, 4\]"),
 }
 
@@ -162,7 +215,12 @@ def test_interpreter_really_is_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     ((0, 4096), 8), ((4, 4096), 4), ((2, 6), 2), ((3, 4096), 1),
 ], ids=["aligned", "int32", "int16", "odd"])
 def test_word_width_is_the_widest_common_divisor(quantities: tuple[int, ...], width: int) -> None:
-    assert word_width((torch.zeros(2, 4, 4096, dtype=torch.uint8),), quantities) == width
+    assert word_width((buffer(torch.zeros(2, 4, 4096, dtype=torch.uint8)).align, *quantities)) == width
+
+
+def test_word_width_sees_a_misaligned_buffer() -> None:
+    shifted = torch.zeros(2 * 4 * 4096 + 2, dtype=torch.uint8)[2:].view(2, 4, 4096)
+    assert word_width((buffer(shifted).align, 0, 4096)) == 2
 
 
 @pytest.mark.parametrize("max_bytes, width, expected", [
@@ -176,12 +234,12 @@ def test_block_rule(max_bytes: int, width: int, expected: tuple[int, int]) -> No
 # head_reshard on small pages: 6 heads of 24 bytes (fp32 2x3 or bf16 3x4), i.e. odd word widths
 HEAD_CASES = {
     # name: (src_heads, dst_heads, heads moved or None for the overlap)
-    "overlap-at-start": (range(0, 6), range(0, 3), None),
-    "overlap-in-middle": (range(0, 6), range(2, 4), None),
+    "overlap-at-start": (range(6), range(3), None),
+    "overlap-in-middle": (range(6), range(2, 4), None),
     "uneven-overlap": (range(3, 6), range(2, 5), None),
-    "explicit-subset": (range(0, 6), range(0, 6), range(1, 4)),
-    "gather-to-staging": (range(0, 6), range(4, 6), None),
-    "disjoint-is-noop": (range(0, 3), range(3, 6), None),
+    "explicit-subset": (range(6), range(6), range(1, 4)),
+    "gather-to-staging": (range(6), range(4, 6), None),
+    "disjoint-is-noop": (range(3), range(3, 6), None),
 }
 
 
@@ -249,3 +307,17 @@ def test_kernel_compiles_for_hopper_without_a_gpu(kernel: str, monkeypatch: pyte
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 8, "enable_fp_fusion": False})
     assert "ld.global" in compiled.asm["ptx"] and compiled.asm["cubin"]
+
+
+def test_restore_bench_reports_both_baselines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachetier.bench.restore import Case, measure
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = measure(Case("cow-tiny", "tiny", "cow", 4, None), torch.device("cpu"), reps=1)
+    assert result["name"] == "cow-tiny" and result["backend"] == "torch"
+    assert result["bytes"] == 4 * 2 * 16 * 64  # 4 pairs x 2 slots x 16 tokens of 64 bytes
+    for key in ("ours_gbps", "torch_copy_gbps", "memcpy_gbps"):
+        assert result[key] > 0
+    for ratio, baseline in (("ratio", "torch_copy_gbps"), ("memcpy_ratio", "memcpy_gbps")):
+        assert result[ratio] == pytest.approx(result["ours_gbps"] / result[baseline], rel=0.01,
+                                              abs=1e-3)  # all rounded to 3 decimals

@@ -8,7 +8,7 @@ straight into the destination pool or through a packed staging buffer (the netwo
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

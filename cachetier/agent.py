@@ -1,0 +1,177 @@
+"""`cachetier agent`: one tensor-parallel rank's share of a pool, on one device.
+
+The agent holds bytes and decides nothing: it builds its `PagedPool` with the geometry the service
+sends at registration, runs each copy batch it is sent as one `page_copy` launch, and acknowledges
+once the bytes are on the device. A co-located worker attaches to the same memory through the
+pool's `PoolHandle` (written to `--handle-file`).
+
+It registers with every service replica it is given and keeps each connection up, reconnecting
+with backoff. Copy batches run one at a time. A connection is given up only once the batches it
+accepted have finished (`serve_requests` waits for them), so a service that dropped this agent
+over a slow batch is served again only when that batch can no longer land on pages the service
+has handed out since. Its first registration carries no epoch: its bytes are new, so the service
+starts a new epoch for the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import random
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cachetier.channel import exchange, serve_requests
+from cachetier.config import CacheSpec, ModelSpec
+from cachetier.errors import (BrokenStream, CacheTierError, ConnectionLost, RemoteError,
+                              RequestTimeout, error_info)
+from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
+from cachetier.hooks import AgentObserver
+from cachetier.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Hello,
+                                Register, Registered)
+from gpu_pool import PagedPool, PoolHandle
+from kernels import page_copy
+
+logger = logging.getLogger("cachetier.agent")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    services: tuple[str, ...]
+    pool: str
+    token: str
+    rank: int = 0
+    tp_degree: int = 1
+    device: str = "cpu"
+    handle_file: Path | None = None
+    max_frame: int = DEFAULT_MAX_FRAME
+    handshake_timeout_s: float = 10.0
+    reconnect_min_s: float = 0.05
+    reconnect_max_s: float = 2.0
+    debug: bool = False
+    agent_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names this process life
+
+
+class ConfigMismatch(CacheTierError):
+    """Two services gave this agent different geometries: it cannot serve both."""
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, observer: AgentObserver | None = None) -> None:
+        if not settings.services:
+            raise ValueError("an agent needs at least one service URL")
+        self.settings = settings
+        self.observer = observer or AgentObserver()
+        self.identity = AgentIdentity(settings.pool, settings.rank, settings.agent_id)
+        self.pool: PagedPool | None = None
+        self.epoch: int | None = None
+        self.registered = asyncio.Event()
+        self._copying = asyncio.Lock()
+
+    def handle(self) -> PoolHandle:
+        if self.pool is None:
+            raise RuntimeError("the pool exists once the agent has registered")
+        return self.pool.handle()
+
+    async def run(self) -> None:
+        """Serve every service until cancelled. A refusal that retrying cannot fix (token,
+        version, geometry) ends the run with that error."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for url in self.settings.services:
+                    group.create_task(self._keep_connected(url))
+        except BaseExceptionGroup as group:
+            raise _first(group) from None
+        finally:
+            self._shut_down()
+
+    async def _keep_connected(self, url: str) -> None:
+        delay = self.settings.reconnect_min_s
+        while True:
+            try:
+                await self._session(url)
+                delay = self.settings.reconnect_min_s  # it had registered: start the backoff over
+            except (OSError, ConnectionLost, BrokenStream, RequestTimeout) as exc:
+                logger.info("service %s: %s", url, exc)
+            except RemoteError as exc:
+                if not exc.retryable:
+                    raise
+                logger.info("service %s refused for now: %s", url, exc)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(2 * delay, self.settings.reconnect_max_s)
+
+    async def _session(self, url: str) -> None:
+        """One connection: hello, register, then answer copy batches until it ends."""
+        stream = await Endpoint.parse(url).connect(self.settings.max_frame)
+        try:
+            async with asyncio.timeout(self.settings.handshake_timeout_s):
+                await self._register(stream, url)
+            await serve_requests(stream, AGENT_OPS, self._copy, error_info)
+        except TimeoutError:
+            raise RequestTimeout(f"{url}: no answer to the handshake") from None
+        finally:
+            await stream.close()
+
+    async def _register(self, stream: FramedStream, url: str) -> None:
+        s = self.settings
+        await exchange(stream, 0, Hello(PROTOCOL_VERSION, s.token, "agent"))
+        register = Register(s.pool, s.rank, s.tp_degree, self.identity.agent_id, self.epoch)
+        registered: Registered = await exchange(stream, 1, register)
+        self._adopt(registered.model, registered.cache)
+        self.epoch = registered.epoch
+        self.registered.set()
+        self.observer.registered(self.identity, url, registered.epoch)
+        logger.info("pool %s rank %d registered with %s, epoch %d", s.pool, s.rank, url,
+                    registered.epoch)
+
+    def _adopt(self, model: ModelSpec, cache: CacheSpec) -> None:
+        """Build the pool from the first registration's geometry; later ones must agree."""
+        if self.pool is None:
+            self.pool = PagedPool.create(model, cache, self.settings.device,
+                                         debug=self.settings.debug)
+            self._publish_handle()
+        elif (self.pool.layout.model, self.pool.layout.cache) != (model, cache):
+            raise ConfigMismatch(f"a service sent another geometry for pool {self.settings.pool}")
+
+    def _publish_handle(self) -> None:
+        path = self.settings.handle_file
+        if path is None:
+            return
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_bytes(pickle.dumps(self.handle()))
+        temporary.replace(path)  # a worker never reads a half-written handle
+
+    async def _copy(self, batch: CopyBatch) -> None:
+        async with self._copying:  # one batch at a time, whichever replica sent it
+            await asyncio.to_thread(self._run_copies, batch)
+        self.epoch = batch.epoch
+
+    def _run_copies(self, batch: CopyBatch) -> None:
+        """One launch for the whole batch, finished on the device before the ack."""
+        if self.pool is None:
+            raise RuntimeError("copy batch before registration")
+        buffer = self.pool.buffer
+        page_copy(buffer, buffer, batch.copies)
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+
+    def _shut_down(self) -> None:
+        if self.settings.handle_file is not None:
+            self.settings.handle_file.unlink(missing_ok=True)
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first real error of a task group (cancellations of its siblings are noise)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]

@@ -1,0 +1,113 @@
+"""The scheduler's one face to the cache tier (STYLE 1): step plans and results, never Redis keys.
+
+    async with CacheTierClient("tcp://127.0.0.1:7400", token=token) as tier:
+        step = await tier.plan("pool-0", requests)      # StepPlan | StepRefusal
+        ...                                              # forward pass on the planned pages
+        done = await tier.commit("pool-0", items)
+        await tier.confirm("pool-0", done.ticket)
+
+One round trip per operation, whatever the batch: `plan` returns once every rank has run the
+step's copies and the plan is confirmed. Requests from many tasks share one connection, matched by
+id (`channel.Channel`): a call that is cancelled or times out abandons only its own reply, and the
+connection is never left half-read. A dropped connection is reopened by the next call.
+
+Errors are `cachetier.errors.CacheTierError`s: `RemoteError` (the service's code and message),
+`ConnectionLost`, `RequestTimeout`; `retryable` says whether planning again may work. A `plan` that
+failed with a connection error or a timeout may still have happened on the service: release its
+request ids (releasing unknown ids is harmless) before planning them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Sequence
+
+from cachetier.channel import Channel, exchange
+from cachetier.errors import BrokenStream, ConnectionLost
+from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint
+from cachetier.protocol import (PROTOCOL_VERSION, Commit, Confirm, Health, HealthReport, Hello,
+                                Plan, PlanReply, PoolStats, Release, Stats, Welcome)
+from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
+                           StepRequest)
+
+
+class CacheTierClient:
+    def __init__(self, url: str, *, token: str, timeout: float = 30.0,
+                 connect_timeout: float = 5.0, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.endpoint = Endpoint.parse(url)
+        self.token = token
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_frame = max_frame
+        self.server: Welcome | None = None
+        self._channel: Channel | None = None
+        self._connecting = asyncio.Lock()
+
+    async def __aenter__(self) -> CacheTierClient:
+        await self._open_channel()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.shield(self.close())
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def plan(self, pool: str, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        """Plan one scheduling step: pins, allocations and the copies done on every rank."""
+        reply: PlanReply = await self._call(Plan(pool, list(requests)))
+        return reply.outcome
+
+    async def commit(self, pool: str, items: Sequence[CommitItem]) -> CommitResult:
+        return await self._call(Commit(pool, list(items)))
+
+    async def confirm(self, pool: str, ticket: int) -> int:
+        """Returns how many of the ticket's requests were still active."""
+        return await self._call(Confirm(pool, ticket))
+
+    async def release(self, pool: str, rids: Sequence[str]) -> ReleaseResult:
+        return await self._call(Release(pool, list(rids)))
+
+    async def stats(self, pool: str) -> PoolStats:
+        return await self._call(Stats(pool))
+
+    async def health(self) -> HealthReport:
+        return await self._call(Health())
+
+    async def _call(self, message: Any) -> Any:
+        channel = await self._open_channel()
+        return await channel.request(message, timeout=self.timeout)
+
+    async def _open_channel(self) -> Channel:
+        async with self._connecting:  # one reconnection for all the callers that need it
+            if self._channel is None or not self._channel.is_open:
+                self._channel = await self._connect()
+            return self._channel
+
+    async def _connect(self) -> Channel:
+        """Connect and handshake, retrying refused connections with backoff until
+        `connect_timeout`; a refused handshake (token, version) is not retried."""
+        delay = 0.02
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                while True:
+                    try:
+                        return await self._handshake()
+                    except (OSError, ConnectionLost, BrokenStream):
+                        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                        delay = min(2 * delay, 1.0)
+        except TimeoutError:
+            raise ConnectionLost(f"cannot reach {self.endpoint.url} within "
+                                 f"{self.connect_timeout:g} s") from None
+
+    async def _handshake(self) -> Channel:
+        stream = await self.endpoint.connect(self.max_frame)
+        try:
+            self.server = await exchange(stream, 0, Hello(PROTOCOL_VERSION, self.token))
+        except BaseException:
+            await stream.close()
+            raise
+        return Channel(stream, f"service {self.endpoint.url}")

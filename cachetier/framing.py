@@ -1,0 +1,127 @@
+"""Length-prefixed msgpack frames over asyncio streams, and the URLs that name a stream.
+
+A frame is a 4-byte big-endian body length followed by that many bytes of msgpack. The length is
+checked before the body is read, so a peer can never make us buffer more than `max_frame` bytes.
+A bad length leaves the stream out of step, so the reader gives up on the connection
+(`BrokenStream`); a well-framed body that is not msgpack only costs that one frame (`BadFrame`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Literal
+from urllib.parse import urlsplit
+
+import msgpack
+
+from cachetier.errors import BadFrame, BrokenStream, PeerClosed, TooLarge
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 64 * 2**20
+
+
+def encode_frame(message: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise TooLarge(f"a {len(body)}-byte frame exceeds the {max_frame}-byte limit")
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False)
+    # Truncated data, trailing bytes, bad UTF-8, unhashable or non-string keys, nesting too deep:
+    # msgpack reports each differently; to a server they all mean this frame is not a message.
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise BadFrame(f"frame body is not valid msgpack: {exc}") from None
+
+
+class FramedStream:
+    """A connection that reads and writes whole frames; reads are bounded by `max_frame`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.max_frame = max_frame
+
+    async def read(self) -> Any:
+        """The next frame's decoded body; `PeerClosed` when the peer closed between frames."""
+        try:
+            header = await self.reader.readexactly(HEADER.size)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                raise PeerClosed("the peer closed the connection") from None
+            raise BrokenStream("connection closed inside a frame header") from None
+        (size,) = HEADER.unpack(header)
+        if not 0 < size <= self.max_frame:
+            raise BrokenStream(f"frame length {size} outside 1..{self.max_frame}")
+        try:
+            body = await self.reader.readexactly(size)
+        except asyncio.IncompleteReadError:
+            raise BrokenStream(f"connection closed inside a {size}-byte frame") from None
+        return decode_body(body)
+
+    async def send(self, message: Any) -> None:
+        """Write one frame; a message over the limit raises `TooLarge` and writes nothing."""
+        self.writer.write(encode_frame(message, self.max_frame))
+        await self.writer.drain()
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """`tcp://HOST:PORT` or `unix:///absolute/path`."""
+
+    scheme: Literal["tcp", "unix"]
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        parts = urlsplit(url)
+        if parts.scheme == "unix" and parts.path.startswith("/") and not parts.netloc:
+            return cls("unix", path=parts.path)
+        if parts.scheme == "tcp" and parts.hostname and parts.port is not None:
+            return cls("tcp", host=parts.hostname, port=parts.port)
+        raise ValueError(f"bad endpoint {url!r}: expected tcp://HOST:PORT or unix:///PATH")
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.path}" if self.scheme == "unix" else f"tcp://{self.host}:{self.port}"
+
+    async def connect(self, max_frame: int = DEFAULT_MAX_FRAME) -> FramedStream:
+        if self.scheme == "unix":
+            reader, writer = await asyncio.open_unix_connection(self.path)
+        else:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        return FramedStream(reader, writer, max_frame)
+
+    async def listen(self, handler: Handler) -> tuple[asyncio.Server, Endpoint]:
+        """Start serving; returns the server and the bound endpoint (port 0 made real)."""
+        if self.scheme == "unix":
+            _remove_stale_socket(self.path)
+            return await asyncio.start_unix_server(handler, self.path), self
+        server = await asyncio.start_server(handler, self.host, self.port)
+        port = server.sockets[0].getsockname()[1]
+        return server, Endpoint("tcp", host=self.host, port=port)
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A socket file left by a killed server would make bind fail; anything else is not ours."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)

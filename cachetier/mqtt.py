@@ -1,0 +1,174 @@
+"""MQTT transport shared by cache events and agent liveness: broker URLs, topic names, and a link
+that keeps one connection alive in the background.
+
+A broker restart must never take the service or an agent down with it, and neither may a broker that
+is not up yet: every MQTT user here goes through `MqttLink`, which reconnects with jittered
+exponential backoff and runs the user's `setup` (subscribe, announce) again on every new connection,
+since the brokers here keep no sessions across restarts. This module knows nothing of what is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Self
+from urllib.parse import urlsplit
+
+import aiomqtt
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 1883
+TOPIC_ROOT = "cachetier"
+_FORBIDDEN_IN_POOL = frozenset("/+#\0")
+
+Session = Callable[[aiomqtt.Client], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int = DEFAULT_PORT
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerAddress:
+        """`mqtt://HOST[:PORT]`; anything else is a ValueError naming the URL."""
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad MQTT URL {url!r}: {exc}") from None
+        if parts.scheme != "mqtt" or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError(f"bad MQTT URL {url!r}: expected mqtt://HOST[:PORT]")
+        return cls(parts.hostname, port or DEFAULT_PORT)
+
+
+def check_pool_name(pool: str) -> str:
+    """`pool` if it can stand as one topic level (no separator, no wildcard); else a ValueError."""
+    if not pool or _FORBIDDEN_IN_POOL & set(pool):
+        raise ValueError(f"pool name {pool!r} must be non-empty without '/', '+', '#' or NUL")
+    return pool
+
+
+@dataclass
+class Backoff:
+    """Reconnect delays: exponential from `initial_s` up to `max_s`, each scaled by a random factor
+    in [0.5, 1] so that many agents cut off by one broker restart do not reconnect in lockstep."""
+
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    factor: float = 2.0
+    _next_s: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._next_s = self.initial_s
+
+    def next_delay(self) -> float:
+        delay, self._next_s = self._next_s, min(self._next_s * self.factor, self.max_s)
+        return delay * random.uniform(0.5, 1.0)
+
+
+class MqttLink:
+    """One MQTT connection kept alive by a background task, for as long as the link is entered.
+
+    On each connection `setup(client)` runs (subscribe, publish a state), then `connected` is set
+    and `serve(client)` runs until the connection drops (aiomqtt raises `MqttError`); then the link
+    waits a backoff delay and connects again. `client` is the live client while connected, so its
+    owner can publish from outside `serve`. Errors other than `MqttError` are bugs: they end the
+    task and are raised again by `close()`.
+    """
+
+    def __init__(self, url: str, *, setup: Session, serve: Session,
+                 will: aiomqtt.Will | None = None, keepalive_s: int = 5,
+                 backoff: Backoff | None = None) -> None:
+        self.address = BrokerAddress.parse(url)
+        self.connected = asyncio.Event()
+        self.client: aiomqtt.Client | None = None
+        self.connections = 0  # connections set up so far: tells a reconnection from a steady link
+        self._setup, self._serve, self._will = setup, serve, will
+        self._keepalive_s = keepalive_s
+        self._backoff = backoff or Backoff()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("MQTT link already started")
+        where = f"{self.address.host}:{self.address.port}"
+        self._task = asyncio.create_task(self._run(), name=f"mqtt-link {where}")
+
+    async def close(self) -> None:
+        """Stop the task (idempotent); a graceful DISCONNECT, so the broker sends no Will."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def wait_connected(self, timeout_s: float) -> None:
+        """Return once connected and set up; TimeoutError after `timeout_s`."""
+        await asyncio.wait_for(self.connected.wait(), timeout_s)
+
+    async def __aenter__(self) -> Self:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._connection()
+            except aiomqtt.MqttError as exc:
+                log.warning("MQTT %s:%d: %s; reconnecting", self.address.host, self.address.port,
+                            exc)
+            await asyncio.sleep(self._backoff.next_delay())
+
+    async def _connection(self) -> None:
+        async with aiomqtt.Client(self.address.host, self.address.port, will=self._will,
+                                  keepalive=self._keepalive_s) as client:
+            await self._setup(client)
+            self._backoff.reset()
+            self.client = client
+            self.connections += 1
+            self.connected.set()
+            try:
+                await self._serve(client)
+            finally:
+                self.connected.clear()
+                self.client = None
+
+
+class LinkOwner:
+    """For classes built on one `MqttLink`: `async with` runs the link."""
+
+    link: MqttLink
+
+    async def __aenter__(self) -> Self:
+        self.link.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.link.close()
+
+
+def payload_bytes(message: aiomqtt.Message) -> bytes:
+    """A received message's payload (paho hands over bytes; the type allows more)."""
+    if not isinstance(message.payload, (bytes, bytearray)):
+        raise ValueError(f"payload on {message.topic} is not bytes")
+    return bytes(message.payload)
+
+
+async def until_disconnected(client: aiomqtt.Client) -> None:
+    """A `serve` for links that only publish: never returns, raises MqttError when the connection
+    drops (aiomqtt reports a drop only to readers of `messages`; nothing is subscribed here)."""
+    async for message in client.messages:
+        log.debug("ignoring unexpected message on %s", message.topic)

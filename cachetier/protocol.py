@@ -1,0 +1,344 @@
+"""The cachetier wire protocol: its messages and their typed decoding.
+
+Every frame (`framing`) holds one msgpack map. A request is `{"op", "id", **fields}`; its reply is
+`{"id", "ok": true, "result"}` or `{"id", "ok": false, "error": {"code", "message", "retryable"}}`,
+with id None when the request was too broken to carry one. A connection opens with `hello`
+(version, token, role). A scheduler then sends `plan`, `commit`, `confirm`, `release`, `stats` and
+`health`; an agent sends `register` once and from then on *receives* `copy` requests on the same
+connection and answers them.
+
+Messages are dataclasses decoded by their type hints (`from_wire`), so a field of the wrong type is
+named with its path and never reaches the index, and unknown fields are refused rather than
+ignored. The index's own records (`StepRequest`, `StepPlan`, ...) travel as they are: a scheduler
+holds exactly what a direct caller of `PrefixIndex` would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Mapping
+
+from cachetier.config import CacheSpec, ModelSpec
+from cachetier.errors import BadFrame, BadMessage, ErrorInfo, RemoteError, UnknownOp
+from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
+                           StepRequest)
+
+PROTOCOL_VERSION = 1
+MAX_ID = 2**63 - 1
+
+Role = Literal["client", "agent"]
+
+
+@dataclass(frozen=True)
+class Welcome:
+    version: int
+    server_id: str
+
+
+@dataclass(frozen=True)
+class Hello:
+    op: ClassVar[str] = "hello"
+    reply: ClassVar[Any] = Welcome
+    version: int
+    token: str
+    role: Role = "client"
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """Who holds one tensor-parallel rank's share of a pool; `agent_id` names one process life."""
+
+    pool: str
+    rank: int
+    agent_id: str
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The pool's epoch now, and the geometry the agent must build its pool with."""
+
+    epoch: int
+    model: ModelSpec
+    cache: CacheSpec
+
+
+@dataclass(frozen=True)
+class Register:
+    """`epoch` is None from an agent whose pool bytes are new: the pool's metadata then describes
+    bytes that no longer exist, so the service starts a new epoch."""
+
+    op: ClassVar[str] = "register"
+    reply: ClassVar[Any] = Registered
+    pool: str
+    rank: int
+    tp_degree: int
+    agent_id: str
+    epoch: int | None = None
+
+    @property
+    def identity(self) -> AgentIdentity:
+        return AgentIdentity(self.pool, self.rank, self.agent_id)
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """One step's copies for one rank: `(src_page, dst_page, byte_offset, byte_count)` rows,
+    run by the agent as a single `page_copy` launch over every layer slot."""
+
+    op: ClassVar[str] = "copy"
+    reply: ClassVar[Any] = None
+    epoch: int
+    copies: list[tuple[int, int, int, int]]
+
+
+@dataclass(frozen=True)
+class PlanReply:
+    """Exactly one of the two is set."""
+
+    plan: StepPlan | None = None
+    refusal: StepRefusal | None = None
+
+    @property
+    def outcome(self) -> StepPlan | StepRefusal:
+        outcome = self.plan or self.refusal
+        if outcome is None:
+            raise BadMessage("a plan reply carries neither a plan nor a refusal")
+        return outcome
+
+
+@dataclass(frozen=True)
+class Plan:
+    op: ClassVar[str] = "plan"
+    reply: ClassVar[Any] = PlanReply
+    pool: str
+    requests: list[StepRequest]
+
+
+@dataclass(frozen=True)
+class Commit:
+    op: ClassVar[str] = "commit"
+    reply: ClassVar[Any] = CommitResult
+    pool: str
+    items: list[CommitItem]
+
+
+@dataclass(frozen=True)
+class Confirm:
+    op: ClassVar[str] = "confirm"
+    reply: ClassVar[Any] = int
+    pool: str
+    ticket: int
+
+
+@dataclass(frozen=True)
+class Release:
+    op: ClassVar[str] = "release"
+    reply: ClassVar[Any] = ReleaseResult
+    pool: str
+    rids: list[str]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Counters of one pool; `ranks` are the ranks registered on the answering replica."""
+
+    pool: str
+    epoch: int
+    num_pages: int
+    free_pages: int
+    evictable_pages: int
+    requests: int
+    pending_tickets: int
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class Stats:
+    op: ClassVar[str] = "stats"
+    reply: ClassVar[Any] = PoolStats
+    pool: str
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    server_id: str
+    version: int
+    redis: bool
+    pools: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Health:
+    op: ClassVar[str] = "health"
+    reply: ClassVar[Any] = HealthReport
+
+
+def op_table(*messages: type) -> dict[str, type]:
+    return {m.op: m for m in messages}
+
+
+CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health)
+AGENT_OPS = op_table(CopyBatch)
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int | None
+    ok: bool
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+def request_frame(request_id: int, message: Any) -> dict[str, Any]:
+    return {"op": message.op, "id": request_id, **to_wire(message)}
+
+
+def ok_frame(request_id: int | None, result: Any) -> dict[str, Any]:
+    return to_wire(Reply(request_id, True, to_wire(result)))
+
+
+def error_frame(request_id: int | None, info: ErrorInfo) -> dict[str, Any]:
+    return to_wire(Reply(request_id, False, error=info))
+
+
+def request_id(frame: Any) -> int | None:
+    """The id to echo in a reply, or None when the frame has no usable one."""
+    rid = frame.get("id") if isinstance(frame, dict) else None
+    return rid if _is_int(rid) and 0 <= rid <= MAX_ID else None
+
+
+def parse_request(frame: Any, ops: Mapping[str, type]) -> Any:
+    """The typed message of a request frame; `BadFrame`, `BadMessage` or `UnknownOp` otherwise."""
+    if not isinstance(frame, dict):
+        raise BadFrame(f"a frame must be a msgpack map, got {type(frame).__name__}")
+    if request_id(frame) is None:
+        raise BadMessage(f"a request needs an integer 'id' in 0..{MAX_ID}")
+    fields = {k: v for k, v in frame.items() if k not in ("op", "id")}
+    op = frame.get("op")
+    if not isinstance(op, str):
+        raise BadMessage("a request needs an 'op' string")
+    if op not in ops:
+        raise UnknownOp(f"unknown op {op[:64]!r}; expected one of {sorted(ops)}")
+    return from_wire(ops[op], fields, op)
+
+
+def parse_reply(frame: Any) -> Reply:
+    return from_wire(Reply, frame, "reply")
+
+
+def result_of(message: Any, reply: Reply) -> Any:
+    """The typed result of `message`'s reply, or the peer's error raised as `RemoteError`."""
+    if not reply.ok:
+        raise RemoteError(reply.error or ErrorInfo("internal", "error reply without a body", False))
+    return from_wire(message.reply, reply.result, f"{message.op} reply")
+
+
+def to_wire(value: Any) -> Any:
+    """Dataclasses as maps of their fields, recursively; everything else as msgpack takes it."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    return value
+
+
+def from_wire(tp: Any, value: Any, path: str) -> Any:
+    """`value` checked against the type hint `tp` and built into it; `BadMessage` names the path
+    of the first field that does not fit."""
+    if dataclasses.is_dataclass(tp):
+        return _dataclass(tp, value, path)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _union(typing.get_args(tp), value, path)
+    if origin is not None:
+        return _generic(origin, typing.get_args(tp), value, path)
+    return _scalar(tp, value, path)
+
+
+def _dataclass(cls: type, value: Any, path: str) -> Any:
+    if not isinstance(value, dict):
+        raise BadMessage(f"{path}: expected a map, got {type(value).__name__}")
+    hints = _hints(cls)
+    unknown = [k for k in value if k not in hints]
+    if unknown:
+        raise BadMessage(f"{path}: unknown field {str(unknown[0])[:64]!r}")
+    missing = [name for name in _required(cls) if name not in value]
+    if missing:
+        raise BadMessage(f"{path}: missing field {missing[0]!r}")
+    kwargs = {k: from_wire(hints[k], v, f"{path}.{k}") for k, v in value.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # the record's own validation (e.g. ModelSpec)
+        raise BadMessage(f"{path}: {exc}") from None
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+@functools.cache
+def _required(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
+def _union(arms: tuple[Any, ...], value: Any, path: str) -> Any:
+    if value is None and type(None) in arms:
+        return None
+    (arm,) = [a for a in arms if a is not type(None)]  # only `X | None` is used on the wire
+    return from_wire(arm, value, path)
+
+
+def _generic(origin: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
+    if origin is Literal:
+        if value not in args or isinstance(value, bool):
+            raise BadMessage(f"{path}: expected one of {list(args)}, got {_shown(value)}")
+        return value
+    if origin is list and isinstance(value, list):
+        return [from_wire(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple and isinstance(value, list) and len(value) == len(args):
+        pairs = enumerate(zip(args, value, strict=True))
+        return tuple(from_wire(a, v, f"{path}[{i}]") for i, (a, v) in pairs)
+    if origin is dict and isinstance(value, dict):
+        return {from_wire(args[0], k, f"{path} key"): from_wire(args[1], v, f"{path}[{k!r}]")
+                for k, v in value.items()}
+    raise BadMessage(f"{path}: expected {_type_name(origin, args)}, got {_shown(value)}")
+
+
+def _scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is None or tp is type(None):
+        ok = value is None
+    elif tp is int:
+        ok = _is_int(value)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise BadMessage(f"{path}: expected {getattr(tp, '__name__', tp)}, got {_shown(value)}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_name(origin: Any, args: tuple[Any, ...]) -> str:
+    if origin is tuple:
+        return f"a list of {len(args)} items"
+    return getattr(origin, "__name__", str(origin))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"

@@ -1,0 +1,403 @@
+"""`cachetier serve`: the stateless control plane between schedulers, Redis and the agents.
+
+It holds no metadata: every decision is one Lua script in Redis (`index.store.PrefixIndex`).
+What it keeps in memory is only about live connections (`fleet.PoolAgents`: which agent serves
+each (pool, rank) here, and which steps wait on them), so several replicas can run side by side,
+each agent connected to all of them, and a restarted replica rebuilds everything from the
+agents' registrations.
+
+A step (`plan`) is: the plan script; the copy list to every rank's agent; their acks; the confirm
+script; the answer. Anything failing after the plan script releases the step's requests and
+answers a retryable error. An agent whose connection drops, times out or is reported dead
+(`agent_lost`, also called by the liveness watcher) fails its pool's steps in flight here and
+starts a new epoch: nothing cached before can be matched against bytes that may be gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from cachetier.channel import Channel, send_error, serve_requests
+from cachetier.config import Config
+from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
+                              ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
+                              error_info)
+from cachetier.fleet import AgentLink, PoolAgents, StepGuard, run_copies
+from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
+from cachetier.hooks import ServiceObserver
+from cachetier.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch, Health,
+                                HealthReport, Hello, Plan, PlanReply, PoolStats, Register,
+                                Registered, Release, Stats, Welcome, ok_frame, op_table,
+                                parse_request, request_id)
+from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
+                          UnknownEntity, UnknownPool)
+from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal
+from index.snapshot import read_pool
+from index.store import PrefixIndex
+
+logger = logging.getLogger("cachetier.service")
+T = TypeVar("T")
+
+_INDEX_CODES: dict[type[CacheIndexError], ErrorCode] = {
+    BadRequest: ErrorCode.BAD_REQUEST, PoolConflict: ErrorCode.CONFLICT,
+    UnknownPool: ErrorCode.UNKNOWN_POOL, UnknownEntity: ErrorCode.UNKNOWN,
+    StaleEpoch: ErrorCode.STALE_EPOCH, CorruptState: ErrorCode.CORRUPT,
+}
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    redis_url: str
+    token: str
+    config: Config
+    listen: str = "tcp://127.0.0.1:0"
+    copy_timeout_s: float = 10.0
+    handshake_timeout_s: float = 10.0
+    max_frame: int = DEFAULT_MAX_FRAME
+    redis_connections: int = 64
+    redis_wait_s: float = 10.0  # for a free connection of the pool, under load
+    server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+@dataclass(eq=False)
+class _Pool:
+    index: PrefixIndex
+    agents: PoolAgents
+
+
+def describe(exc: BaseException) -> ErrorInfo:
+    """The error frame for any failure of a request: index errors keep their `retryable`."""
+    if isinstance(exc, CacheIndexError):
+        return ErrorInfo(_INDEX_CODES.get(type(exc), ErrorCode.INTERNAL), str(exc), exc.retryable)
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return ErrorInfo(ErrorCode.REDIS_UNAVAILABLE, f"redis: {exc}", True)
+    info = error_info(exc)
+    if info.code == ErrorCode.INTERNAL:
+        logger.error("request failed", exc_info=exc)
+    return info
+
+
+def step_failed(exc: Exception) -> CodedError:
+    """Whatever broke a step after its plan script, the step was released: planning it again
+    may succeed, so the error is retryable whatever its cause (its code says the cause)."""
+    info = describe(exc)
+    return CodedError(ErrorInfo(info.code, f"step released: {info.message}", True))
+
+
+class CacheTierService:
+    """See the module docstring. `async with CacheTierService(settings) as service:` serves on
+    `service.url` until the block ends."""
+
+    def __init__(self, settings: ServiceSettings, observer: ServiceObserver | None = None) -> None:
+        self.settings = settings
+        self.config = settings.config
+        self.observer = observer or ServiceObserver()
+        self.url = ""
+        self._endpoint: Endpoint | None = None
+        self._redis: Redis | None = None
+        self._server: asyncio.Server | None = None
+        self._pools: dict[str, _Pool] = {}
+        self._connections: set[asyncio.Task[None]] = set()
+        self._losses: set[asyncio.Task[None]] = set()
+        self._registering = asyncio.Lock()  # registrations are rare: one at a time, all pools
+        self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
+            Plan: self._plan, Commit: self._commit, Confirm: self._confirm,
+            Release: self._release, Stats: self._stats, Health: self._health,
+        }
+
+    @property
+    def redis(self) -> Redis:
+        if self._redis is None:
+            raise RuntimeError("the service is not started")
+        return self._redis
+
+    async def start(self) -> str:
+        """Connect to Redis and listen; returns the URL clients and agents connect to."""
+        pool = BlockingConnectionPool.from_url(self.settings.redis_url,
+                                               max_connections=self.settings.redis_connections,
+                                               timeout=self.settings.redis_wait_s)
+        self._redis = Redis(connection_pool=pool)
+        self._server, self._endpoint = await Endpoint.parse(self.settings.listen).listen(
+            self._connected)
+        self.url = self._endpoint.url
+        return self.url
+
+    async def close(self) -> None:
+        """Stop listening, drop every connection (agents included) and the Redis pool."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, *self._losses, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.aclose(close_connection_pool=True)
+        if self._endpoint is not None and self._endpoint.scheme == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._endpoint.path)
+        self._server = self._redis = self._endpoint = None
+
+    async def __aenter__(self) -> CacheTierService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.shield(self.close())
+
+    async def agent_lost(self, pool: str, rank: int, agent_id: str | None = None) -> None:
+        """The agent of (`pool`, `rank`) is gone: fail the pool's steps in flight here and start a
+        new epoch. With `agent_id` (the liveness watcher's report), a report about a process this
+        replica already stopped using, or about an earlier process of the rank than the one
+        registered here, changes nothing."""
+        state = self._pools.get(pool)
+        if state is None or agent_id in state.agents.gone:
+            return  # never served here (a replica that did acts on it), or handled already
+        link = state.agents.links.get(rank)
+        if link is None:
+            await self._invalidate(state, AgentLost(f"pool {pool}: agent of rank {rank} lost",
+                                                    [rank]))
+        elif agent_id in (None, link.identity.agent_id):
+            await self._lose(state, link, "reported dead")
+
+    # connections
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        stream = FramedStream(reader, writer, self.settings.max_frame)
+        try:
+            hello = await self._handshake(stream)
+            if hello.role == "agent":
+                await self._serve_agent(stream)
+            else:
+                await serve_requests(stream, CLIENT_OPS, self._dispatch, describe)
+        except (CacheTierError, OSError, TimeoutError) as exc:
+            logger.debug("connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass  # `close()`; ending cancelled would make 3.11's stream callback log an error
+        finally:
+            self._connections.discard(task)
+            await stream.close()
+
+    async def _handshake(self, stream: FramedStream) -> Hello:
+        """The first frame must be a hello with our version and the token; any failure is
+        answered with an error frame and ends the connection."""
+        frame = None
+        try:
+            frame = await self._first_frame(stream)
+            hello = self._check_hello(frame)
+            await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
+                                                                  self.settings.server_id)))
+            return hello
+        except CacheTierError as exc:
+            await send_error(stream, request_id(frame), exc, describe)
+            raise
+
+    async def _first_frame(self, stream: FramedStream) -> Any:
+        """A peer that connects must speak first, and soon."""
+        try:
+            async with asyncio.timeout(self.settings.handshake_timeout_s):
+                return await stream.read()
+        except TimeoutError:
+            raise HandshakeRequired("nothing received within "
+                                    f"{self.settings.handshake_timeout_s:g} s") from None
+
+    def _check_hello(self, frame: Any) -> Hello:
+        if not isinstance(frame, dict) or frame.get("op") != "hello":
+            raise HandshakeRequired("the first frame must be {op: 'hello', id, version, token}")
+        hello: Hello = parse_request(frame, op_table(Hello))
+        if hello.version != PROTOCOL_VERSION:
+            raise VersionMismatch(f"protocol version {hello.version} is not {PROTOCOL_VERSION}")
+        if not hmac.compare_digest(hello.token.encode(), self.settings.token.encode()):
+            raise Unauthorized("bad token")
+        return hello
+
+    async def _dispatch(self, message: Any) -> Any:
+        return await self._handlers[type(message)](message)
+
+    # agents
+
+    async def _serve_agent(self, stream: FramedStream) -> None:
+        """Register the agent, then push it copy batches until its connection ends."""
+        frame = None
+        try:
+            frame = await self._first_frame(stream)
+            register: Register = parse_request(frame, op_table(Register))
+            state, registered = await self._register(register)
+        except Exception as exc:
+            await send_error(stream, request_id(frame), exc, describe)
+            return
+        await stream.send(ok_frame(request_id(frame), registered))
+        name = f"agent {register.pool}/{register.rank}"
+        link = AgentLink(register.identity, Channel(stream, name))
+        state.agents.attach(link)
+        try:
+            await link.channel.wait_closed()
+        except asyncio.CancelledError:  # this replica is stopping; the agent is not lost
+            state.agents.detach(link)
+            await link.channel.close()
+            raise
+        await self._lose(state, link, "connection closed")
+
+    async def _register(self, msg: Register) -> tuple[_Pool, Registered]:
+        tp = self.config.model.tp_degree
+        if msg.tp_degree != tp or not 0 <= msg.rank < tp:
+            raise BadMessage(f"rank {msg.rank} of tp_degree {msg.tp_degree} does not fit this "
+                             f"service's model (tp_degree {tp})")
+        async with self._registering:
+            state = self._pools.get(msg.pool) or self._new_pool(msg.pool)
+            await state.index.create()  # a pool of another geometry is refused here
+            self._pools[msg.pool] = state
+            previous = state.agents.links.get(msg.rank)
+            if previous is not None:
+                await self._lose(state, previous, "replaced by a new registration")
+            elif msg.epoch is None:  # new, zeroed bytes: what the pool says it holds is gone
+                await self._invalidate(state, AgentLost(f"pool {msg.pool}: rank {msg.rank} "
+                                                        "restarted", [msg.rank]))
+        return state, Registered(state.index.epoch, self.config.model, self.config.cache)
+
+    async def _lose(self, state: _Pool, link: AgentLink, why: str) -> None:
+        """Stop using `link` and start a new epoch, once per link: every caller (its connection
+        ending, a step that saw it fail, a liveness report) waits for that same invalidation,
+        so a failed step is answered only once its pool's epoch has moved on."""
+        if link.loss is None:
+            link.loss = asyncio.create_task(self._forget(state, link, why))
+            self._losses.add(link.loss)
+            link.loss.add_done_callback(self._losses.discard)
+        await asyncio.shield(link.loss)
+
+    async def _forget(self, state: _Pool, link: AgentLink, why: str) -> None:
+        if not state.agents.detach(link):
+            return  # this replica is stopping: the agent is not lost
+        logger.warning("pool %s: agent of rank %d lost (%s)", link.identity.pool, link.rank, why)
+        await link.channel.close()  # its copies in flight fail now
+        await self._invalidate(state, AgentLost(f"pool {link.identity.pool}: agent of rank "
+                                                f"{link.rank} lost ({why})", [link.rank]))
+
+    async def _invalidate(self, state: _Pool, failure: CacheTierError) -> None:
+        state.agents.fail_steps(failure)
+        epoch = await state.index.invalidate()
+        self.observer.invalidated(state.agents.pool, epoch)
+
+    def _new_pool(self, pool: str) -> _Pool:
+        index = PrefixIndex(self.redis, pool, self.config)
+        return _Pool(index, PoolAgents(pool, self.config.model.tp_degree))
+
+    async def _known_pool(self, pool: str) -> _Pool:
+        """The pool's state here; a pool that does not exist in Redis is not remembered, so
+        requests naming random pools cost no memory."""
+        if pool in self._pools:
+            return self._pools[pool]
+        state = self._new_pool(pool)
+        state.index.epoch = await state.index.current_epoch()
+        if state.index.epoch == 0:
+            raise UnknownPool(f"unknown pool {pool!r}: no agent has registered it")
+        return self._pools.setdefault(pool, state)
+
+    # client operations
+
+    async def _plan(self, msg: Plan) -> PlanReply:
+        state = await self._known_pool(msg.pool)
+        links = state.agents.ready_links()
+        with state.agents.step() as guard:
+            plan_step = functools.partial(state.index.plan_step, msg.requests)
+            if all(r.is_new for r in msg.requests):
+                outcome = await _retry_if_stale(plan_step)
+            else:  # a continuing request belongs to the epoch it was planned in
+                outcome = await plan_step()
+            if isinstance(outcome, StepRefusal):
+                return PlanReply(refusal=outcome)
+            await self._carry_out(state, links, guard, outcome)
+        self.observer.step_planned(msg.pool, outcome)
+        return PlanReply(plan=outcome)
+
+    async def _carry_out(self, state: _Pool, links: list[AgentLink], guard: StepGuard,
+                         plan: StepPlan) -> None:
+        """The copies on every rank, then the confirm; on any failure, `_abort`."""
+        try:
+            guard.check()
+            rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
+            if rows:
+                await run_copies(links, CopyBatch(plan.epoch, rows), self.settings.copy_timeout_s)
+            await state.index.confirm(plan.ticket)
+            guard.check()
+        except BaseException as exc:
+            # Not shielded: only `close()` cancels a step, once, and it waits for this.
+            await self._abort(state, links, plan, exc)
+            if isinstance(exc, Exception):
+                raise step_failed(exc) from exc
+            raise
+
+    async def _abort(self, state: _Pool, links: list[AgentLink], plan: StepPlan,
+                     cause: BaseException) -> None:
+        """Give back the step's pins and pages. The loss of an agent is handled first (a slow
+        one may still be copying: dropping it starts a new epoch, so nothing is planned on pages
+        it may yet write), so the failed step is answered in the new epoch."""
+        if isinstance(cause, AgentLost):
+            for link in links:
+                if link.rank in cause.ranks:
+                    await self._lose(state, link, str(cause))
+        with contextlib.suppress(StaleEpoch, UnknownEntity):  # invalidated: the pins are void
+            await state.index.release([r.rid for r in plan.requests])
+            # The released requests are gone, so this settles nothing: it only drops the plan's
+            # ticket, which `release` leaves behind.
+            await state.index.confirm(plan.ticket)
+
+    async def _commit(self, msg: Commit) -> CommitResult:
+        state = await self._known_pool(msg.pool)
+        result = await _retry_if_stale(functools.partial(state.index.commit, msg.items))
+        self.observer.committed(msg.pool, result)
+        return result
+
+    async def _confirm(self, msg: Confirm) -> int:
+        state = await self._known_pool(msg.pool)
+        return await _retry_if_stale(functools.partial(state.index.confirm, msg.ticket))
+
+    async def _release(self, msg: Release) -> ReleaseResult:
+        state = await self._known_pool(msg.pool)
+        result = await _retry_if_stale(functools.partial(state.index.release, msg.rids))
+        self.observer.released(msg.pool, result)
+        return result
+
+    async def _stats(self, msg: Stats) -> PoolStats:
+        state = await self._known_pool(msg.pool)
+        pool = await read_pool(self.redis, state.index.keys)
+        num_pages = self.config.cache.num_pages
+        return PoolStats(pool=msg.pool, epoch=pool.epoch, num_pages=num_pages,
+                         free_pages=len(pool.free) + num_pages - pool.fresh,
+                         evictable_pages=pool.lru_page_count, requests=len(pool.req),
+                         pending_tickets=len(pool.tix), ranks=sorted(state.agents.links))
+
+    async def _health(self, msg: Health) -> HealthReport:
+        try:
+            redis_ok = bool(await asyncio.wait_for(self.redis.ping(), 2.0))
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError):
+            redis_ok = False
+        pools = {name: sorted(s.agents.links) for name, s in self._pools.items() if s.agents.links}
+        return HealthReport(self.settings.server_id, PROTOCOL_VERSION, redis_ok, pools)
+
+
+async def _retry_if_stale(call: Callable[[], Awaitable[T]]) -> T:
+    """Run an index call; once more if this replica's epoch was stale.
+
+    Another replica (or a liveness report) may have moved the pool to a new epoch; the refused
+    call wrote nothing and the index has read the current epoch. Running it again is safe for
+    calls that name requests or tickets (those of a dead epoch are simply unknown in the new one)
+    and for plans of new requests only; a continuing request keeps the stale-epoch error.
+    """
+    try:
+        return await call()
+    except StaleEpoch:
+        return await call()

@@ -1,0 +1,161 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine.
+
+Debian's docker-compose (v1) validates the file against its schema and prints it normalised, with
+the variables substituted, without talking to an engine; bin/setup installs it, so a missing binary
+is a failure here, not a skip. The checks pin what the cluster needs: AOF on, the GPU reservations,
+one token, one set of addresses and one tensor-parallel degree shared by the service and its
+agents, and commands the real CLI accepts, on its default port.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cachetier.cli import build_parser
+from cachetier.mqtt import BrokerAddress
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DEFAULT_TOKEN = "cachetier-dev-token"
+AGENTS = {"agent-gpu0": 0, "agent-gpu1": 1}
+CLI_DEFAULT_LISTEN = build_parser().parse_args(["serve", "--redis", "redis://r"]).listen
+SERVICE_PORT = int(CLI_DEFAULT_LISTEN.rsplit(":", 1)[1])
+
+
+def docker_compose(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.fail("docker-compose is not installed: run bin/setup (it installs Debian's "
+                    "docker-compose package, which validates the file without a Docker engine)")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHETIER_")}
+    return subprocess.run([binary, "--file", str(COMPOSE_FILE), "--project-directory", str(ROOT),
+                           *args], capture_output=True, text=True, env={**clean, **env},
+                          timeout=60, check=False)
+
+
+def load_config(**env: str) -> dict[str, Any]:
+    result = docker_compose("config", **env)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, Any]:
+    return load_config()["services"]
+
+
+def argv(service: dict[str, Any]) -> list[str]:
+    command = service["command"]
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
+def flags(service: dict[str, Any]) -> dict[str, str]:
+    """The `--flag value` pairs of a service's command."""
+    words = argv(service)
+    return {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
+
+
+def test_the_file_is_valid_and_needs_no_variable() -> None:
+    result = docker_compose("config", "--quiet")
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_missing_docker_compose_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.fail.Exception, match="run bin/setup"):
+        docker_compose("config")
+
+
+def test_the_services(services: dict[str, Any]) -> None:
+    assert set(services) == {"redis", "mosquitto", "service", *AGENTS}
+
+
+def test_redis_persists_with_aof(services: dict[str, Any]) -> None:
+    redis = services["redis"]
+    assert redis["image"] == "redis:7"
+    assert flags(redis)["--appendonly"] == "yes"
+    assert any(volume.split(":")[1] == "/data" for volume in redis["volumes"])
+    assert "ports" not in redis  # only the service talks to it
+
+
+def test_mosquitto_accepts_the_compose_network(services: dict[str, Any]) -> None:
+    mosquitto = services["mosquitto"]
+    assert mosquitto["image"] == "eclipse-mosquitto:2"
+    assert argv(mosquitto) == ["mosquitto", "-c", "/mosquitto-no-auth.conf"]
+    assert mosquitto["ports"] == ["127.0.0.1:1883:1883/tcp"]
+
+
+def test_the_service(services: dict[str, Any]) -> None:
+    service = services["service"]
+    assert service["build"]["context"] == str(ROOT)
+    assert argv(service)[:2] == ["cachetier", "serve"]
+    assert flags(service) | {"--token": "?"} == {
+        "--redis": "redis://redis:6379", "--listen": f"tcp://0.0.0.0:{SERVICE_PORT}",
+        "--mqtt": "mqtt://mosquitto:1883", "--token": "?", "--preset": "tiny",
+        "--set": f"model.tp_degree={len(AGENTS)}"}
+    assert service["ports"] == [f"127.0.0.1:{SERVICE_PORT}:{SERVICE_PORT}/tcp"]
+    assert service["depends_on"]["redis"] == {"condition": "service_healthy"}
+    assert BrokerAddress.parse(flags(service)["--mqtt"]) == BrokerAddress("mosquitto", 1883)
+
+
+@pytest.mark.parametrize("name", sorted(AGENTS))
+def test_one_agent_per_gpu(services: dict[str, Any], name: str) -> None:
+    agent, gpu = services[name], AGENTS[name]
+    assert argv(agent)[:2] == ["cachetier", "agent"]
+    assert flags(agent) | {"--token": "?"} == {
+        "--service": f"tcp://service:{SERVICE_PORT}", "--pool": "pool0", "--rank": str(gpu),
+        "--tp-degree": str(len(AGENTS)), "--device": "cuda:0",
+        "--mqtt": flags(services["service"])["--mqtt"], "--token": "?"}
+    assert agent["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]
+    assert agent["image"] == services["service"]["image"]
+    assert set(agent["depends_on"]) == {"service", "mosquitto"}
+
+
+@pytest.mark.parametrize("name", ["service", *sorted(AGENTS)])
+def test_the_cli_accepts_each_command(services: dict[str, Any], name: str) -> None:
+    words = argv(services[name])
+    assert words[0] == "cachetier"
+    build_parser().parse_args(words[1:])  # exits (SystemExit) on an unknown or missing flag
+
+
+def test_one_token_and_preset_for_the_whole_cluster(services: dict[str, Any]) -> None:
+    assert_cluster_settings(services, DEFAULT_TOKEN, "tiny")
+
+
+def test_token_and_preset_come_from_the_environment() -> None:
+    services = load_config(CACHETIER_TOKEN="s3cret", CACHETIER_PRESET="kimi-k3")["services"]
+    assert_cluster_settings(services, "s3cret", "kimi-k3")
+
+
+def assert_cluster_settings(services: dict[str, Any], token: str, preset: str) -> None:
+    assert flags(services["service"])["--preset"] == preset
+    for name in ("service", *AGENTS):
+        assert flags(services[name])["--token"] == token, name
+        assert services[name]["environment"] == {"CACHETIER_TOKEN": token}, name
+
+
+def test_dockerfile_installs_the_lock_on_python_3_11_slim() -> None:
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    assert [line for line in lines if line.startswith("FROM ")] == ["FROM python:3.11-slim"]
+    assert "ARG TORCH_INDEX_URL=\"\"" in lines
+    assert "COPY requirements.lock ./" in lines
+    assert "&& pip install -r requirements.lock" in lines
+    assert "RUN pip install --no-deps ." in lines
+
+
+def test_build_context_is_only_what_the_image_needs() -> None:
+    patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line and not line.startswith("#")]
+    assert patterns[0] == "*"  # everything out (.venv, .git), then the sources back in
+    copied = {source for line in (ROOT / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") for source in line.split()[1:-1]}
+    assert {f"!{source}" for source in copied} <= set(patterns)
