@@ -349,11 +349,8 @@ class CacheTierService:
             for link in links:
                 if link.rank in cause.ranks:
                     await self._lose(state, link, str(cause))
-        with contextlib.suppress(StaleEpoch, UnknownEntity):  # invalidated: the pins are void
+        with contextlib.suppress(StaleEpoch):  # invalidated: the pins are void
             await state.index.release([r.rid for r in plan.requests])
-            # The released requests are gone, so this settles nothing: it only drops the plan's
-            # ticket, which `release` leaves behind.
-            await state.index.confirm(plan.ticket)
 
     async def _commit(self, msg: Commit) -> CommitResult:
         state = await self._known_pool(msg.pool)

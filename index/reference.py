@@ -223,6 +223,8 @@ class ReferenceIndex:
 
     def plan_step(self, epoch: int, batch: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         self._check_epoch(epoch)
+        if not batch:
+            raise BadRequest("empty step: nothing to plan")
         if len(batch) > self.max_batch:
             raise BadRequest("batch exceeds max_batch")
         plans, seen, need = [], set(), 0
@@ -281,7 +283,7 @@ class ReferenceIndex:
         hoff = max(shared * self.PB - 1, 0)
         r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "pin": p["anchor"],
              "spath": p["shared"], "own": [], "shared": shared, "state": -1, "ck": -1,
-             "reg": p["hit"], "inter": b"", "pend": [], "hoff": hoff}
+             "reg": p["hit"], "inter": b"", "pend": [], "hoff": hoff, "tix": []}
         if self.kda > 0:
             lead, ids = self._alloc_set("K", self.kda, rid)
             r["state"] = lead
@@ -305,6 +307,7 @@ class ReferenceIndex:
                            for g in range(self.mla)]
         r["ck"] = self._alloc_set("K", self.kda, rid)[0] if p["want_ckpt"] else -1
         r["stop"] = p["stop"]
+        r["tix"].append(self.s.ticket + 1)
         self.s.req[rid] = r
         shared = [list(row) for row in struct.iter_unpack("<" + "I" * self.mla, r["spath"])]
         slots = shared + [self.s.pages[lead]["pages"] for lead in r["own"]]
@@ -317,6 +320,8 @@ class ReferenceIndex:
     # -- commit.lua ---------------------------------------------------------------------------
     def commit(self, epoch: int, items: Sequence[CommitItem]) -> CommitResult:
         self._check_epoch(epoch)
+        if not items:
+            raise BadRequest("empty commit")
         reqs, seen = [], set()
         for item in items:
             if item.rid in seen:
@@ -344,6 +349,7 @@ class ReferenceIndex:
                 r["ck"] = -1
             r["pend"].append(p)
             r["pos"] = r["stop"] = item.stop
+            r["tix"].append(ticket)
             out.append(CommittedRequest(item.rid, count, state))
         self._new_ticket([i.rid for i in items])
         return CommitResult(ticket, out, removed)
@@ -457,6 +463,7 @@ class ReferenceIndex:
                 else:
                     keep.append(item)
             r["pend"] = keep
+            r["tix"].remove(ticket)
             count += 1
         return count
 
@@ -495,10 +502,19 @@ class ReferenceIndex:
             for lead in (r["state"], r["ck"]):
                 if lead >= 0:
                     self._free_set(self.s.pages[lead])
+            for t in r["tix"]:
+                self._leave_ticket(t, rid)
             del self.s.req[rid]
             del self.s.reqh[rid]
             released += 1
         return ReleaseResult(released, unknown, removed)
+
+    def _leave_ticket(self, ticket: int, rid: str) -> None:
+        rids = [r for r in self.s.tix[ticket] if r != rid]
+        if rids:
+            self.s.tix[ticket] = rids
+        else:
+            del self.s.tix[ticket]
 
     def _release_page(self, lead: int, removed: list[Removal]) -> None:
         rec = self.s.pages[lead]

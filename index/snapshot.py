@@ -96,6 +96,8 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
         assert h in state.ep and state.ep[h][0] == rec["anchor"], "checkpoint without its MLA endpoint"
         assert h in leads[rec["anchor"]]["cks"], "anchor does not list its checkpoint"
     assert state.lru_page_count == state.lru_pages(), "meta.lru_pages out of step with the LRU"
+    for ticket, rids in state.tix.items():
+        assert rids and all(ticket in state.req[rid]["tix"] for rid in rids), f"ticket {ticket} dangles"
     pins = _expected_pins(state)
     for lead, rec in leads.items():
         assert rec["ref"] == pins.get(lead, 0), f"page {lead} refcount {rec['ref']} != holders {pins.get(lead, 0)}"

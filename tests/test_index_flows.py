@@ -166,3 +166,14 @@ async def test_commit_drops_restore_pins_even_without_confirming_the_plan(redis)
     after = await read_pool(redis, d.index.keys)
     assert after.pages[ck_lead]["ref"] == 0 and ck_lead in after.lru
     sanity_check(after, config.cache.num_pages, config.cache.blocks_per_page)
+
+
+async def test_release_leaves_no_ticket_behind(redis):
+    """A failed step is released without confirming: its ticket must not stay in Redis forever."""
+    d = await make(redis, small_config())
+    step = await d.plan([new_request("a", list(range(20)), 20, 4), new_request("b", list(range(50, 70)), 20, 4)],
+                        {"a": list(range(20)), "b": list(range(50, 70))})
+    await d.release(["a"])
+    assert list((await read_pool(redis, d.index.keys)).tix) == [step.ticket]
+    await d.release(["b"])
+    assert (await read_pool(redis, d.index.keys)).tix == {}

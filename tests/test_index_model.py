@@ -198,6 +198,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert all(rec["ref"] == 0 for rec in leads), "a pin outlived every request"
         assert all(rec["st"] != "private" for rec in leads), "a private page outlived its request"
         assert state.req == {} and state.reqh == {}
+        assert state.tix == {}, "a ticket outlived every request it spoke for"
 
     @rule()
     def invalidate(self) -> None:

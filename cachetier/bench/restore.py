@@ -46,7 +46,7 @@ REP_SECONDS = 0.02  # each contender's turn in a repetition lasts this long at l
 class Case:
     name: str
     preset: str
-    op: str  # "restore" or "cow"
+    op: str  # "restore", "cow" (the seed's prefix everywhere) or "cow-mixed" (1 to all-but-one blocks)
     requests: int
     layer_slots: int | None  # None: all of the preset's
 
@@ -63,6 +63,7 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
         Case("cow-tiny", "tiny", "cow", tiny, None),
         Case("restore-tiny-step", "tiny", "restore", step, None),
         Case("cow-tiny-step", "tiny", "cow", step, None),
+        Case("cow-tiny-mixed", "tiny", "cow-mixed", tiny, None),
         Case("restore-kimi-k3", "kimi-k3", "restore", requests, slots),
         Case("cow-kimi-k3", "kimi-k3", "cow", 2 * requests, slots),
     ]
@@ -81,12 +82,15 @@ def specs(case: Case) -> tuple[ModelSpec, CacheSpec, int]:
 def batch(case: Case, pool: PagedPool, pairs: int) -> torch.Tensor:
     """`pairs` rows over distinct pages in random order, as a real pool's free list would give."""
     layout = pool.layout
+    tokens, block = layout.cache.page_tokens, layout.cache.hash_block_tokens
+    count: int | torch.Tensor
     if case.op == "restore":
         count = layout.geometry.kda_page_bytes
-    else:
-        tokens = layout.cache.page_tokens
-        block = layout.cache.hash_block_tokens
+    elif case.op == "cow":
         count = layout.mla_token_range(0, max(block, int(tokens * SEED_PREFIX) // block * block)).size
+    else:  # every request matched its own number of hash blocks of its last page
+        blocks = 1 + torch.arange(pairs) % max(1, layout.cache.blocks_per_page - 1)
+        count = blocks * layout.mla_token_range(0, block).size
     pages = torch.randperm(layout.num_pages, generator=torch.Generator().manual_seed(0))
     rows = torch.zeros(pairs, 4, dtype=torch.int64)
     rows[:, 0], rows[:, 1], rows[:, 3] = pages[:pairs], pages[pairs:], count

@@ -18,6 +18,7 @@
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
+if #batch == 0 then fail("BADINPUT", "empty commit") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 
 local reqs, seen = {}, {}
@@ -155,6 +156,7 @@ for n, item in ipairs(batch) do
   end
   r.pend[#r.pend + 1] = p
   r.pos, r.stop = item.stop, item.stop
+  r.tix[#r.tix + 1] = ticket
   put_req(item.rid, r)
   rids[n] = item.rid
   out[n] = {rid = item.rid, endpoints = count, ckpt = ck_state}

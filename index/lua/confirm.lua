@@ -44,6 +44,7 @@ for _, rid in ipairs(cmsgpack.unpack(raw)) do
       if item.t <= ticket then settle(item) else keep[#keep + 1] = item end
     end
     r.pend = keep
+    remove_from(r.tix, ticket)
     put_req(rid, r)
     count = count + 1
   end

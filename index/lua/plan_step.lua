@@ -21,6 +21,7 @@ local m = load_meta(epoch_arg)
 local batch = unpack_arg(batch_blob, "batch")
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 local PT = B * PB
+if #batch == 0 then fail("BADINPUT", "empty step: nothing to plan") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 
 -- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
@@ -144,7 +145,7 @@ local function start_request(p, rid, copies)
   local hoff = math.max(shared * PB - 1, 0)
   local r = {tokens = p.tokens, pos = p.start, hit = p.start, pin = p.anchor, spath = p.shared,
              own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, inter = "", pend = {},
-             hoff = hoff}
+             hoff = hoff, tix = {}}
   if m.kda_groups > 0 then
     local lead, ids = alloc_set(m, "K", m.kda_groups, rid)
     r.state = lead
@@ -181,6 +182,7 @@ for n, p in ipairs(plans) do
   r.ck = -1
   if p.want_ckpt then r.ck = alloc_set(m, "K", m.kda_groups, rid) end
   r.stop = p.stop
+  r.tix[#r.tix + 1] = m.ticket + 1
   put_req(rid, r)
   rids[n] = rid
   local own, state, ckpt = {}, {}, {}

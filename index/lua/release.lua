@@ -8,7 +8,8 @@
 -- Registrations the request never confirmed are rolled back (their bytes may never have been
 -- written): endpoints above the page's ready fill are removed with the checkpoints anchored on
 -- them, and a page with nothing confirmed is freed. Confirmed pages stay cached and become
--- evictable. Unknown ids are reported, not an error, so a retry after a timeout is harmless.
+-- evictable. The request leaves the tickets it was waiting on, and a ticket left with no request
+-- is deleted. Unknown ids are reported, not an error, so a retry after a timeout is harmless.
 
 local m = load_meta(ARGV[1])
 local rids = unpack_arg(ARGV[2], "request id list")
@@ -29,6 +30,12 @@ local function roll_back(rec, rf)
     end
   end
   return keep
+end
+
+local function leave_ticket(t, rid)
+  local rids = cmsgpack.unpack(redis.call("HGET", K_TIX, t))
+  remove_from(rids, rid)
+  if #rids == 0 then redis.call("HDEL", K_TIX, t) else redis.call("HSET", K_TIX, t, cmsgpack.pack(rids)) end
 end
 
 local function release_page(lead)
@@ -63,6 +70,7 @@ for _, rid in ipairs(rids) do
     if r.pin >= 0 then unpin(m, r.pin) end
     if r.state >= 0 then free_set(m, get_rec(r.state)) end
     if r.ck >= 0 then free_set(m, get_rec(r.ck)) end
+    for _, t in ipairs(r.tix) do leave_ticket(t, rid) end
     redis.call("HDEL", K_REQ, rid)
     redis.call("HDEL", K_REQH, rid)
     released = released + 1
