@@ -1,5 +1,6 @@
-"""cachetier: the control-plane face of the cache tier (configuration, CLI, later service and client).
+"""cachetier: the control plane's processes and their faces: configuration, the wire protocol, the
+service, the agents, the scheduler's client, MQTT events and liveness, the CLI and benchmarks.
 
-Owns configuration (`config`) and the command line. It must not touch Redis keys or pool bytes
-directly: those belong to `index/` and `gpu_pool/`.
+It must not touch Redis keys except through `index.store`, nor pool bytes except through
+`gpu_pool` and `kernels`.
 """

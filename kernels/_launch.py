@@ -127,17 +127,22 @@ def shown(values: list[int]) -> str:
 
 
 class Records(NamedTuple):
-    """One byte range of every (slot, page) of a buffer as a 1-D numpy array of `V{count}` records
-    over the same memory: record `slot * slot_step + page * page_step` is that range of that page."""
+    """Ranges of `size` bytes of a buffer as a 1-D numpy array of `V{size}` records over the same
+    memory, one every `unit` bytes: the range at byte `b` of page `p` of slot `s` is record
+    `s * slot_step + p * page_step + b // unit` (counting `b` from the view's first byte)."""
 
     array: np.ndarray
     slot_starts: np.ndarray  # [slots, 1] int64: slot * slot_step
     page_step: int
+    unit: int
 
-    def index(self, pages: np.ndarray) -> np.ndarray:
-        """`[slots, len(pages)]`: the records of `pages` in every slot."""
+    def index(self, pages: np.ndarray, offsets: np.ndarray | None = None) -> np.ndarray:
+        """`[slots, len(pages)]`: the records of `pages` (at `offsets`, multiples of `unit`) in
+        every slot."""
         if self.page_step != 1:
             pages = pages * self.page_step
+        if offsets is not None:
+            pages = pages + offsets // self.unit
         return pages + self.slot_starts
 
 
@@ -174,7 +179,8 @@ class Buffer:
         return view  # type: ignore[return-value]
 
     def records(self, offset: int, count: int) -> Records:
-        """Bytes `[offset, +count)` of every (slot, page) as numpy records (CPU buffers only)."""
+        """Ranges of `count` bytes from byte `offset` of every (slot, page), and from any multiple
+        of `count` after it, as numpy records (CPU buffers only)."""
         records = self._views.get(("records", offset, count))
         if records is None:
             records = self._records(offset, count)
@@ -183,12 +189,13 @@ class Buffer:
 
     def _records(self, offset: int, count: int) -> Records:
         slot_stride, page_stride = self._alias.stride(0), self._alias.stride(1)
-        unit = math.gcd(slot_stride, page_stride) or 1
-        span = (self.slots - 1) * slot_stride + (self.pages - 1) * page_stride
+        unit = math.gcd(slot_stride, page_stride, count)
+        last = (self.slots - 1) * slot_stride + (self.pages - 1) * page_stride + self.page_bytes
         first = self._alias.numpy()[0, 0, offset:offset + count].view(f"V{count}")
-        array = np.lib.stride_tricks.as_strided(first, shape=(span // unit + 1,), strides=(unit,))
+        length = (last - offset - count) // unit + 1  # records that end inside the buffer
+        array = np.lib.stride_tricks.as_strided(first, shape=(length,), strides=(unit,))
         slot_starts = (np.arange(self.slots, dtype=np.int64) * (slot_stride // unit))[:, None]
-        return Records(array, slot_starts, page_stride // unit)
+        return Records(array, slot_starts, page_stride // unit, unit)
 
     def _keep(self, key: tuple[object, ...], view: object) -> None:
         if len(self._views) >= self.MAX_VIEWS:
