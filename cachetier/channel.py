@@ -64,6 +64,8 @@ class Channel:
             raise RequestTimeout(f"{message.op}: no reply within {timeout:g} s") from None
         finally:
             self._pending.pop(rid, None)
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # failed by `_fail` while we were not awaiting it: retrieved
         return result_of(message, reply)
 
     async def wait_closed(self) -> None:

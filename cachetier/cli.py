@@ -1,4 +1,4 @@
-"""The `cachetier` command: `config show`, `serve`, `agent` and the benchmarks.
+"""The `cachetier` command: `config show`, `serve`, `agent`, `up` and the benchmarks.
 
 Bench modules (`cachetier.bench.<name>`) are imported only when their command runs, so `config show`
 stays fast and the CLI keeps working while a benchmark is missing or broken. A bench module provides
@@ -17,8 +17,10 @@ import inspect
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
+import time
 import tomllib
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any
 from cachetier.config import PRESETS, Config, ConfigError, load_config
 from cachetier.framing import DEFAULT_MAX_FRAME
 
-BENCHES = ("lookup", "restore")
+BENCHES = ("lookup", "restore", "service")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +224,37 @@ def _add_agent_parser(commands: Any) -> None:
     agent.set_defaults(handler=_agent)
 
 
+def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.cluster import ClusterSettings, UpOptions, up
+    args.overrides.append(("model.tp_degree", str(args.agents)))  # one agent per rank
+    config = config_from_args(args)  # a bad configuration is refused here, not in a child
+    serve_config = ["--preset", args.preset, *(["--config", args.config] if args.config else []),
+                    *(f"--set={key}={value}" for key, value in args.overrides)]
+    run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    settings = ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
+                               config=config, serve_config_args=tuple(serve_config),
+                               agents=args.agents, port=args.port)
+    options = UpOptions(args.workload, args.exit_after_workload, args.json)
+    return up(settings, options)
+
+
+def _add_up_parser(commands: Any) -> None:
+    up = commands.add_parser("up", help="run redis, mosquitto, the service and CPU agents here")
+    up.add_argument("--agents", type=int, default=2, metavar="N",
+                    help="CPU agents: the tensor-parallel ranks of pool pool0 (default 2)")
+    up.add_argument("--port", type=int, default=7400, help="service TCP port (0: any free port)")
+    up.add_argument("--token", help="shared secret of the cluster (default: a new random one)")
+    up.add_argument("--run-dir", type=Path, metavar="DIR",
+                    help="logs, pids.json and redis data (default: runs/<timestamp>)")
+    up.add_argument("--workload", type=int, default=0, metavar="SESSIONS",
+                    help="once up, run a demo of SESSIONS multi-turn chats and print a summary")
+    up.add_argument("--exit-after-workload", action="store_true",
+                    help="stop the cluster once the workload is done")
+    up.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_config_arguments(up)
+    up.set_defaults(handler=_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command tree; bench flags are parsed later, by the bench module's own parser."""
     parser = argparse.ArgumentParser(prog="cachetier", description=__doc__.splitlines()[0])
@@ -239,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
     _add_serve_parser(commands)
     _add_agent_parser(commands)
+    _add_up_parser(commands)
     return parser
 
 

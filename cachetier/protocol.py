@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping
 
@@ -198,7 +199,8 @@ def request_frame(request_id: int, message: Any) -> dict[str, Any]:
 
 
 def ok_frame(request_id: int | None, result: Any) -> dict[str, Any]:
-    return to_wire(Reply(request_id, True, to_wire(result)))
+    """`to_wire(Reply(request_id, True, result))`, without walking the converted result twice."""
+    return {"id": request_id, "ok": True, "result": to_wire(result), "error": None}
 
 
 def error_frame(request_id: int | None, info: ErrorInfo) -> dict[str, Any]:
@@ -237,10 +239,17 @@ def result_of(message: Any, reply: Reply) -> Any:
     return from_wire(message.reply, reply.result, f"{message.op} reply")
 
 
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+
+
 def to_wire(value: Any) -> Any:
     """Dataclasses as maps of their fields, recursively; everything else as msgpack takes it."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    names = _field_names(kind)
+    if names is not None:
+        return {name: to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -248,9 +257,32 @@ def to_wire(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...] | None:
+    """The fields of a dataclass type (a class object's own type is never one), else None."""
+    if not dataclasses.is_dataclass(kind):
+        return None
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
 def from_wire(tp: Any, value: Any, path: str) -> Any:
     """`value` checked against the type hint `tp` and built into it; `BadMessage` names the path
-    of the first field that does not fit."""
+    of the first field that does not fit.
+
+    A compiled decoder (`_decoder`) handles values that fit without building any path; anything
+    it does not accept is decoded again by the checking walk below, which raises the error with
+    its path (or returns the same value, for the rare input the decoder leaves to it)."""
+    try:
+        decode = _decoder(tp)
+    except TypeError:  # an unhashable hint: only the walk handles it
+        return _checked(tp, value, path)
+    try:
+        return decode(value)
+    except _Mismatch:
+        return _checked(tp, value, path)
+
+
+def _checked(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _dataclass(tp, value, path)
     origin = typing.get_origin(tp)
@@ -271,7 +303,7 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
     missing = [name for name in _required(cls) if name not in value]
     if missing:
         raise BadMessage(f"{path}: missing field {missing[0]!r}")
-    kwargs = {k: from_wire(hints[k], v, f"{path}.{k}") for k, v in value.items()}
+    kwargs = {k: _checked(hints[k], v, f"{path}.{k}") for k, v in value.items()}
     try:
         return cls(**kwargs)
     except ValueError as exc:  # the record's own validation (e.g. ModelSpec)
@@ -294,7 +326,7 @@ def _union(arms: tuple[Any, ...], value: Any, path: str) -> Any:
     if value is None and type(None) in arms:
         return None
     (arm,) = [a for a in arms if a is not type(None)]  # only `X | None` is used on the wire
-    return from_wire(arm, value, path)
+    return _checked(arm, value, path)
 
 
 def _generic(origin: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
@@ -303,12 +335,12 @@ def _generic(origin: Any, args: tuple[Any, ...], value: Any, path: str) -> Any:
             raise BadMessage(f"{path}: expected one of {list(args)}, got {_shown(value)}")
         return value
     if origin is list and isinstance(value, list):
-        return [from_wire(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_checked(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is tuple and isinstance(value, list) and len(value) == len(args):
         pairs = enumerate(zip(args, value, strict=True))
-        return tuple(from_wire(a, v, f"{path}[{i}]") for i, (a, v) in pairs)
+        return tuple(_checked(a, v, f"{path}[{i}]") for i, (a, v) in pairs)
     if origin is dict and isinstance(value, dict):
-        return {from_wire(args[0], k, f"{path} key"): from_wire(args[1], v, f"{path}[{k!r}]")
+        return {_checked(args[0], k, f"{path} key"): _checked(args[1], v, f"{path}[{k!r}]")
                 for k, v in value.items()}
     raise BadMessage(f"{path}: expected {_type_name(origin, args)}, got {_shown(value)}")
 
@@ -342,3 +374,126 @@ def _type_name(origin: Any, args: tuple[Any, ...]) -> str:
 def _shown(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+# Compiled decoders: one closure per type hint, no paths; `_Mismatch` hands the value back to
+# the checking walk. Each accepts exactly what `_checked` accepts, or less, never more.
+
+class _Mismatch(Exception):
+    pass
+
+
+Decode = Callable[[Any], Any]
+
+
+@functools.cache
+def _decoder(tp: Any) -> Decode:
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_decoder(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _union_decoder(typing.get_args(tp))
+    if origin is not None:
+        return _generic_decoder(origin, typing.get_args(tp))
+    return _scalar_decoder(tp)
+
+
+def _dataclass_decoder(cls: type) -> Decode:
+    hints = _hints(cls)
+    required = frozenset(_required(cls))
+    fields: dict[str, Decode] = {}
+
+    def decode(value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        if not fields:  # built on first use, so a type may refer to itself
+            fields.update({name: _decoder(hint) for name, hint in hints.items()})
+        kwargs = {}
+        for key, item in value.items():
+            field_decode = fields.get(key) if isinstance(key, str) else None
+            if field_decode is None:
+                raise _Mismatch
+            kwargs[key] = field_decode(item)
+        if not required <= kwargs.keys():
+            raise _Mismatch
+        try:
+            return cls(**kwargs)
+        except ValueError:
+            raise _Mismatch from None
+
+    return decode
+
+
+def _union_decoder(arms: tuple[Any, ...]) -> Decode:
+    optional = type(None) in arms
+    others = [a for a in arms if a is not type(None)]
+    if len(others) != 1:
+        def refuse(value: Any) -> Any:
+            raise _Mismatch
+        return refuse
+    inner = _decoder(others[0])
+
+    def decode(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        return inner(value)
+
+    return decode
+
+
+def _generic_decoder(origin: Any, args: tuple[Any, ...]) -> Decode:
+    if origin is Literal:
+        def literal(value: Any) -> Any:
+            if isinstance(value, bool) or value not in args:
+                raise _Mismatch
+            return value
+        return literal
+    if origin is list:
+        item = _decoder(args[0])
+
+        def decode_list(value: Any) -> Any:
+            if not isinstance(value, list):
+                raise _Mismatch
+            return [item(v) for v in value]
+        return decode_list
+    if origin is tuple:
+        items = tuple(_decoder(a) for a in args)
+        width = len(args)
+
+        def decode_tuple(value: Any) -> Any:
+            if not isinstance(value, list) or len(value) != width:
+                raise _Mismatch
+            return tuple(d(v) for d, v in zip(items, value))
+        return decode_tuple
+    if origin is dict:
+        key, val = _decoder(args[0]), _decoder(args[1])
+
+        def decode_dict(value: Any) -> Any:
+            if not isinstance(value, dict):
+                raise _Mismatch
+            return {key(k): val(v) for k, v in value.items()}
+        return decode_dict
+
+    def refuse(value: Any) -> Any:
+        raise _Mismatch
+    return refuse
+
+
+def _scalar_decoder(tp: Any) -> Decode:
+    if tp is Any:
+        return lambda value: value
+    if tp is None or tp is type(None):
+        test: Callable[[Any], bool] = lambda value: value is None
+    elif tp is int:
+        test = _is_int
+    elif tp is float:
+        test = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        test = lambda value: isinstance(value, tp)
+
+    def decode(value: Any) -> Any:
+        if not test(value):
+            raise _Mismatch
+        return value
+
+    return decode

@@ -42,7 +42,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _parent_death_hook() -> Any:
+def parent_death_hook() -> Any:
     """A preexec_fn that makes the child receive SIGTERM when its parent dies (Linux only).
 
     `prctl` is looked up here, before the fork, so the child runs no dynamic loading.
@@ -54,7 +54,7 @@ def _parent_death_hook() -> Any:
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _terminate(proc: subprocess.Popen[bytes]) -> None:
+def terminate(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM, a bounded wait, then SIGKILL; reaps the child even if interrupted meanwhile."""
     try:
         proc.terminate()
@@ -68,7 +68,7 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 
 
 @dataclass(kw_only=True)
-class _ChildServer:
+class ChildServer:
     """Start/readiness/stop shared by the servers; subclasses say how to run and how to probe."""
 
     name: ClassVar[str]
@@ -114,7 +114,7 @@ class _ChildServer:
         proc, self._proc = self._proc, None
         try:
             if proc is not None:
-                _terminate(proc)
+                terminate(proc)
         finally:
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)
@@ -128,7 +128,7 @@ class _ChildServer:
                 self._proc = subprocess.Popen(
                     self._command_line, stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True,
-                    preexec_fn=_parent_death_hook())
+                    preexec_fn=parent_death_hook())
             except OSError as exc:
                 raise RuntimeError(f"cannot run `{shlex.join(self._command_line)}`: {exc} "
                                    f"({self.install_hint})") from exc
@@ -164,7 +164,7 @@ class _ChildServer:
 
 
 @dataclass(kw_only=True)
-class RedisServer(_ChildServer):
+class RedisServer(ChildServer):
     """A redis-server with persistence off, on a unix socket (default) or a loopback TCP port."""
 
     name: ClassVar[str] = "redis"
@@ -213,7 +213,7 @@ class RedisServer(_ChildServer):
 
 
 @dataclass(kw_only=True)
-class MosquittoServer(_ChildServer):
+class MosquittoServer(ChildServer):
     """A mosquitto MQTT broker on a loopback port, anonymous, nothing persisted."""
 
     name: ClassVar[str] = "mosquitto"

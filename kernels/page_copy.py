@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels._launch import (Backend, Batch, Buffer, LazyJit, as_batch, block_rule, check_buffers,
                              check_pairs, chunks, pick_backend, shown, word_width)
-from kernels.page_copy_ref import copy_group, page_copy_ref
+from kernels.page_copy_ref import copy_group, copy_rows
 
 
 def _page_copy_kernel(
@@ -77,7 +77,7 @@ def page_copy(src: torch.Tensor, dst: torch.Tensor,
         offset, count = rows.low[2], rows.low[3]
         copy_group(src_buf, dst_buf, rows.array[:, 0], rows.array[:, 1], offset, offset, count)
     else:
-        page_copy_ref(src, dst, rows.rows)
+        copy_rows(src_buf, dst_buf, rows.array, rows.high[3])
     return backend
 
 

@@ -68,9 +68,12 @@ COPY_CASES = {
     "zero-count-rows": ((2, 8, 256), [(0, 4, 0, 0), (1, 5, 16, 64), (2, 6, 256, 0)]),
     "many-pairs": ((2, 300, 64), [(i, 150 + i, i % 7, 64 - i % 7) for i in range(150)]),
     "same-range-groups": ((2, 40, 512), [(i, 20 + i, 64 * (i % 3), 128) for i in range(20)]),
-    # 140 ranges of 2 KiB: more than one CHUNK_BYTES step of the CPU gather, with a partial last one
-    "gather-in-steps": ((2, 150, 2048), [(i, 149 - i, 0, 2048) for i in range(70)]),
+    # 20 ranges of 16 KiB: more than one CHUNK_BYTES step of the CPU gather, the last one partial
+    "gather-in-steps": ((2, 24, 16384), [(i, 23 - i, 0, 16384) for i in range(10)]),
     "pages-in-any-order": ((1, 12, 128), [(11, 0, 8, 64), (3, 7, 8, 64), (3, 9, 8, 64)]),
+    # a scheduler step's mix: whole pages, prefixes of 1-3 blocks, a range that starts mid-page
+    "mixed-pages-and-prefixes": ((2, 16, 4096), [(0, 8, 0, 4096), (1, 9, 0, 1024),
+                                                 (2, 10, 0, 3072), (3, 11, 1024, 2048)]),
 }
 
 
@@ -319,5 +322,5 @@ def test_restore_bench_reports_both_baselines(monkeypatch: pytest.MonkeyPatch) -
     for key in ("ours_gbps", "torch_copy_gbps", "memcpy_gbps"):
         assert result[key] > 0
     for ratio, baseline in (("ratio", "torch_copy_gbps"), ("memcpy_ratio", "memcpy_gbps")):
-        assert result[ratio] == pytest.approx(result["ours_gbps"] / result[baseline], rel=0.01,
-                                              abs=1e-3)  # all rounded to 3 decimals
+        assert result[ratio] == pytest.approx(result["ours_gbps"] / result[baseline], rel=0.02,
+                                              abs=0.005)  # all rounded to 3 decimals

@@ -38,7 +38,7 @@ from cachetier.hooks import ServiceObserver
 from cachetier.events import AllBlocksCleared, EventSubscriber
 from cachetier.liveness import LivenessWatcher
 from cachetier.nodes import run_agent, run_service
-from cachetier.servers import MosquittoServer, RedisServer, _parent_death_hook
+from cachetier.servers import MosquittoServer, RedisServer, parent_death_hook
 from cachetier.service import CacheTierService, ServiceSettings
 from gpu_pool import PagedPool
 from index.records import RequestPlan, StepPlan
@@ -460,7 +460,7 @@ def cli(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "cachetier.cli", *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env={**os.environ, "CACHETIER_TOKEN": TOKEN},
-                            preexec_fn=_parent_death_hook())
+                            preexec_fn=parent_death_hook())
 
 
 def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:

@@ -39,7 +39,7 @@ from gpu_pool import PagedPool
 from kernels import page_copy
 
 SEED_PREFIX = 2560 / 6144  # the seed's hit: 2,560 tokens of a 6,144-token page
-REP_SECONDS = 0.02  # each contender's turn in a repetition lasts this long at least
+REP_SECONDS = 0.05  # each contender's turn in a repetition lasts this long at least
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,304 @@
+"""`cachetier up`: the whole cluster on this machine, for a newcomer's first run and for tests.
+
+It starts, in order, a redis-server (AOF on, its data under the run directory, so restarting `up`
+on the same directory keeps the metadata), mosquitto, `cachetier serve` and one `cachetier agent`
+per tensor-parallel rank of pool `pool0` on the CPU, each only once the previous one answers, and
+stops them in the reverse order (agents first, so the broker never sends Wills of live agents).
+Every child runs in its own session, so a Ctrl-C reaches `up` alone and the order holds, and gets
+SIGTERM if `up` itself dies, so nothing outlives it. All logs and `pids.json` live in the run
+directory. The token reaches the children through the environment, not their command lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+from cachetier.client import CacheTierClient
+from cachetier.config import Config
+from cachetier.errors import CacheTierError
+from cachetier.servers import (
+    MosquittoServer,
+    RedisServer,
+    ChildServer,
+    parent_death_hook,
+    terminate,
+)
+from cachetier.workload import Summary, Workload, WorkloadSpec
+
+POOL = "pool0"
+_LISTENING = re.compile(rb"listening on (\S+)")
+_POLL_S = 0.05
+
+
+class ClusterError(RuntimeError):
+    """A part of the cluster did not start or died; the message names its log."""
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    run_dir: Path
+    token: str
+    config: Config
+    serve_config_args: tuple[str, ...]  # the flags that give `serve` the same `config`
+    agents: int = 2
+    port: int = 7400
+    startup_timeout_s: float = 60.0  # agents import torch: seconds each on a small machine
+
+
+@dataclass(kw_only=True)
+class _LoggedServer(ChildServer):
+    """A server whose log is readable in the run directory while it runs (a link into its
+    private directory) and stays there afterwards (a copy made as it stops)."""
+
+    log_file: Path
+
+    def start(self) -> Self:
+        super().start()
+        self.log_file.unlink(missing_ok=True)
+        self.log_file.symlink_to(self.workdir / "server.log")
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            terminate(self._proc)  # first, so the copy has its last words
+        with contextlib.suppress(RuntimeError):  # RuntimeError: never started
+            log = self.workdir / "server.log"
+            self.log_file.unlink(missing_ok=True)
+            shutil.copyfile(log, self.log_file)
+        super().stop()
+
+
+@dataclass(kw_only=True)
+class _DurableRedis(_LoggedServer, RedisServer):
+    """Redis with an append-only file in `data_dir` (later flags override the throwaway ones)."""
+
+    data_dir: Path
+
+    def _command(self, workdir: Path) -> list[str]:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return [*super()._command(workdir), "--appendonly", "yes", "--dir", str(self.data_dir)]
+
+
+@dataclass(kw_only=True)
+class _LoggedMosquitto(_LoggedServer, MosquittoServer):
+    """Mosquitto drops root privileges before opening a log file, hence the link, not `log_dest`."""
+
+
+@dataclass
+class Node:
+    """A `cachetier serve` or `cachetier agent` child, its output in `log`."""
+
+    name: str
+    args: list[str]
+    log: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> Self:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cachetier.cli", *self.args], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                preexec_fn=parent_death_hook())  # noqa: PLW1509 (no threads run here yet)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            terminate(self.proc)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        code = None if self.proc is None else self.proc.poll()
+        if code is not None:
+            raise ClusterError(f"{self.name} exited with code {code}; see {self.log}")
+
+    def wait_for(self, pattern: re.Pattern[bytes], timeout_s: float) -> re.Match[bytes]:
+        """The first match of `pattern` in the log, polled until `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (found := pattern.search(self.log.read_bytes())) is None:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{self.name} not ready within {timeout_s:g} s; see {self.log}")
+            time.sleep(_POLL_S)
+        return found
+
+
+class Cluster:
+    """`with Cluster(settings) as cluster:` everything runs inside the block, stopped after it
+    (also when starting fails half-way)."""
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.run_dir = settings.run_dir
+        self.redis = _DurableRedis(log_file=self.run_dir / "redis.log",
+                                   data_dir=self.run_dir / "redis-data")
+        self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log")
+        self.service_url = ""
+        self.nodes: list[Node] = []
+        self._pids: dict[str, int] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Self:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Everything started, in reverse order. A second Ctrl-C cannot cut it short and leave
+        orphans: each child's stop is bounded anyway (SIGTERM, then SIGKILL)."""
+        with _signal_handlers(_IGNORED):
+            self._stack.close()
+
+    def _start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._record("redis", self._stack.enter_context(self.redis).pid)
+        self._record("mosquitto", self._stack.enter_context(self.mqtt).pid)
+        service = self._spawn("service", ["serve", "--redis", self.redis.url,
+                                          "--listen", f"tcp://127.0.0.1:{self.settings.port}",
+                                          *self._node_args(), *self.settings.serve_config_args])
+        url = service.wait_for(_LISTENING, self.settings.startup_timeout_s)[1]
+        self.service_url = url.decode()
+        for rank in range(self.settings.agents):
+            self._spawn(f"agent-{rank}", ["agent", "--service", self.service_url, "--pool", POOL,
+                                          "--rank", str(rank), "--tp-degree",
+                                          str(self.settings.agents), "--device", "cpu",
+                                          *self._node_args()])
+        asyncio.run(self._until_registered())
+
+    def _node_args(self) -> list[str]:
+        return ["--mqtt", self.mqtt.url]
+
+    def _spawn(self, name: str, args: list[str]) -> Node:
+        env = {**os.environ, "CACHETIER_TOKEN": self.settings.token}
+        node = Node(name, args, self.run_dir / f"{name}.log", env)
+        self._stack.callback(node.stop)  # before starting: a failed start still gets reaped
+        self.nodes.append(node.start())
+        self._record(name, node.pid)
+        return node
+
+    def _record(self, name: str, pid: int) -> None:
+        """pids.json: what a test or an operator checks is gone after the run."""
+        self._pids[name] = pid
+        (self.run_dir / "pids.json").write_text(json.dumps(self._pids))
+
+    async def _until_registered(self) -> None:
+        """Every rank of the pool registered with the service, as its `health` reports."""
+        ranks = list(range(self.settings.agents))
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        async with self.client() as tier:
+            while (await tier.health()).pools.get(POOL) != ranks:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"agents not registered within "
+                                       f"{self.settings.startup_timeout_s:g} s; see "
+                                       f"{self.run_dir}/agent-*.log")
+                await asyncio.sleep(_POLL_S)
+
+    def client(self) -> CacheTierClient:
+        return CacheTierClient(self.service_url, token=self.settings.token)
+
+    def check_alive(self) -> None:
+        """A ClusterError naming the first child that exited (the servers are checked by use)."""
+        for node in self.nodes:
+            node.check_alive()
+
+    def describe(self) -> str:
+        return (f"service {self.service_url} (pool {POOL}, {self.settings.agents} CPU agents), "
+                f"redis {self.redis.url}, mqtt {self.mqtt.url}, token {self.settings.token}")
+
+
+async def run_workload(cluster: Cluster, sessions: int,
+                       progress: Callable[[str], None]) -> Summary:
+    async with cluster.client() as tier:
+        spec = WorkloadSpec(sessions)
+        return await Workload(tier, POOL, cluster.settings.config, spec, progress).run()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _signal_handlers(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# Ctrl-C (even where the shell started `up` with SIGINT ignored: `up &`) and SIGTERM both unwind
+# as a KeyboardInterrupt, through the same orderly stop, which neither can then cut short.
+_INTERRUPTIBLE = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _interrupt}
+_IGNORED = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    workload: int = 0
+    exit_after_workload: bool = False
+    json: bool = False
+
+
+def up(settings: ClusterSettings, options: UpOptions) -> int:
+    """Run the cluster (and the workload) until done or interrupted: 0, or 1 if anything failed.
+    Status lines go to stderr; stdout carries only the workload's summary."""
+    say(f"run directory {settings.run_dir} (logs: *.log, pids.json)")
+    try:
+        with _signal_handlers(_INTERRUPTIBLE), Cluster(settings) as cluster:
+            say(f"up: {cluster.describe()}")
+            if options.workload:
+                summary = asyncio.run(run_workload(cluster, options.workload, say))
+                print(json.dumps(summary.as_dict()) if options.json else format_summary(summary),
+                      flush=True)
+            if not options.exit_after_workload:
+                say("ready; Ctrl-C to stop")
+                _watch(cluster)
+    except KeyboardInterrupt:
+        say("interrupted")
+    except (ClusterError, CacheTierError, RuntimeError, OSError) as exc:  # all stopped by now
+        say(f"failed: {exc}; stopped")
+        return 1
+    say("stopped")
+    return 0
+
+
+def _watch(cluster: Cluster) -> None:
+    """Until interrupted, or a ClusterError if a child dies."""
+    while True:
+        cluster.check_alive()
+        time.sleep(0.5)
+
+
+def format_summary(summary: Summary) -> str:
+    return (f"workload: {summary.requests} requests ({summary.hit_requests} hit), "
+            f"{summary.tokens} tokens, {summary.hit_tokens} hit tokens "
+            f"({summary.hit_ratio:.1%}), {summary.steps} steps")
+
+
+def say(line: str) -> None:
+    print(f"cachetier up: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,62 @@
+"""`cachetier bench service --quick` end to end through the CLI, against the tests' redis-server:
+a service and an in-process CPU agent, steps through the service next to the index called
+directly, and a short throughput run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from redis.asyncio import Redis
+
+from cachetier.cli import main
+
+CASE_KEYS = {"batch", "tokens", "service_p50_us", "service_p99_us", "direct_p50_us",
+             "rtt_p50_us", "ratio", "copies_per_step", "hit_tokens"}
+POSITIVE = ("service_p50_us", "service_p99_us", "direct_p50_us", "rtt_p50_us", "ratio",
+            "copies_per_step", "copy_bytes_per_step", "agent_copy_p50_us")
+
+
+def all_keys(url: str) -> set[bytes]:
+    async def scan() -> set[bytes]:
+        async with Redis.from_url(url) as client:
+            return {key async for key in client.scan_iter()}
+    return asyncio.run(scan())
+
+
+def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["bench", "service", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureFixture[str],
+                                                         redis_url: str) -> None:
+    before = all_keys(redis_url)
+    code, out, err = bench(capsys, "--json", "--quick", "--redis", redis_url)
+    assert code == 0, err
+    result = json.loads(out)
+    assert [(c["batch"], c["tokens"]) for c in result["cases"]] == [(1, 1024), (4, 1024)]
+    for case in result["cases"]:
+        assert CASE_KEYS <= case.keys()
+        assert all(case[key] > 0 for key in POSITIVE), case
+        assert case["service_p99_us"] >= case["service_p50_us"]
+        assert case["hit_tokens"] == case["tokens"] - 512      # all but the last block cached
+        assert case["copies_per_step"] >= case["batch"]          # real restore copies
+        assert case["ratio"] == pytest.approx(case["service_p50_us"] / case["direct_p50_us"],
+                                              rel=1e-2)
+    assert result["throughput_steps_per_s"] > 0 and result["throughput_min_client_steps"] > 0
+    assert result["clients"] == 4 and result["agents"].startswith("in-process cpu")
+    assert "bench service: 1024 tokens x 4" in err            # progress on stderr, not stdout
+    assert all_keys(redis_url) == before                       # a shared server is left as found
+
+
+@pytest.mark.parametrize("flags, field", [(["--tokens", "1000"], "--tokens"),
+                                          (["--tokens", "512"], "--tokens"),
+                                          (["--batches", "0"], "--batches"),
+                                          (["--clients", "0"], "--clients")])
+def test_bad_sizes_are_refused_before_any_work(capsys: pytest.CaptureFixture[str],
+                                               flags: list[str], field: str) -> None:
+    code, _, err = bench(capsys, "--quick", "--redis", "redis://127.0.0.1:1", *flags)
+    assert code == 2 and field in err

@@ -1,0 +1,99 @@
+"""`cachetier up` as a user runs it: a real process tree (redis, mosquitto, service, agents).
+
+Each test checks what a newcomer would notice first: that the demo workload hits the cache from
+the second turn on, and that stopping `up` leaves nothing running, whichever way it stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0"]
+SESSIONS = 2
+TURNS = 3  # WorkloadSpec's default
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is dead: only its exit status is left)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def children(run_dir: Path) -> dict[str, int]:
+    return json.loads((run_dir / "pids.json").read_text())
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes],
+                  timeout_s: float) -> None:
+    """Until the file `path` has a line matching `pattern` (AssertionError on timeout or exit)."""
+    deadline = time.monotonic() + timeout_s
+    while not re.search(pattern, path.read_text(), re.MULTILINE):
+        assert proc.poll() is None, f"`up` ended (code {proc.returncode}): {path.read_text()}"
+        assert time.monotonic() < deadline, f"no {pattern!r} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_workload_hits_from_the_second_turn_and_leaves_nothing_running(tmp_path):
+    done = subprocess.run([*UP, "--workload", str(SESSIONS), "--exit-after-workload", "--json",
+                           "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert set(summary) == {"requests", "hit_requests", "tokens", "hit_tokens", "hit_ratio",
+                            "steps"}
+    assert summary["requests"] == SESSIONS * TURNS
+    assert summary["hit_requests"] >= SESSIONS * (TURNS - 1)
+    assert 0 < summary["hit_tokens"] < summary["tokens"]
+    assert summary["hit_ratio"] == round(summary["hit_tokens"] / summary["tokens"], 4)
+    later_turns = re.findall(r"s\d+-t[1-9]\d*: \d+ tokens, hit (\d+)", done.stderr)
+    assert len(later_turns) == SESSIONS * (TURNS - 1)
+    assert all(int(hit) > 0 for hit in later_turns)
+    pids = children(tmp_path)
+    assert set(pids) == {"redis", "mosquitto", "service", "agent-0", "agent-1"}
+    assert not [name for name, pid in pids.items() if running(pid)]
+    assert (tmp_path / "redis-data" / "appendonlydir").is_dir()  # AOF: metadata survives `up`
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    with open(console, "wb") as out:
+        proc = subprocess.Popen([*UP, "--run-dir", str(run_dir)], stdout=out, stderr=out)
+    try:
+        wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
+        pids = children(run_dir)
+        assert all(running(pid) for pid in pids.values())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [name for name, pid in pids.items() if running(pid)]
+    for log in ("service.log", "agent-0.log", "agent-1.log", "redis.log", "mosquitto.log"):
+        assert "Traceback" not in (run_dir / log).read_text(), log
+
+
+def test_a_dead_agent_stops_the_cluster_without_orphans(tmp_path):
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    with open(console, "wb") as out:
+        proc = subprocess.Popen([*UP, "--agents", "1", "--run-dir", str(run_dir)], stdout=out,
+                                stderr=out)
+    try:
+        wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
+        pids = children(run_dir)
+        os.kill(pids["agent-0"], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "agent-0 exited with code -9" in console.read_text()
+    assert not [name for name, pid in pids.items() if running(pid)]
