@@ -43,7 +43,8 @@ def events_topic(pool: str) -> str:
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Blocks that became matchable. Each hash covers `block_size` tokens past its parent:
+    """Blocks a commit stored (matchable once its ticket is confirmed, moments later). Each hash
+    covers `block_size` tokens past its parent:
     `parent_block_hash` for the first (None at the namespace root), the previous hash after that.
     MLA events list registered endpoints; a KDA event lists one checkpoint boundary.
     `group_idx` None means every group of the kind: page sets are stored and evicted whole."""

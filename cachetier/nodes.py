@@ -14,7 +14,8 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachetier.events import AllBlocksCleared, EventPublisher, MqttEventPublisher, removed_events
+from cachetier.events import (AllBlocksCleared, BlockStored, EventPublisher, MqttEventPublisher,
+                              removed_events)
 from cachetier.hooks import AgentObserver, ServiceObserver
 from cachetier.liveness import AgentPresence, LivenessWatcher
 from cachetier.protocol import AgentIdentity
@@ -26,18 +27,28 @@ if TYPE_CHECKING:
 
 
 class EventsObserver(ServiceObserver):
-    """What each step evicted and each release rolled back (`BlockRemoved`), and each new epoch
-    (`AllBlocksCleared`). Stored blocks are not published: `commit` reports how many endpoints it
-    registered, not their hashes, so `BlockStored` needs the index to return them."""
+    """What each commit stored (`BlockStored`: the MLA chain it processed, the checkpoint it
+    registered), what each step evicted and each release rolled back (`BlockRemoved`), and each
+    new epoch (`AllBlocksCleared`)."""
 
-    def __init__(self, publisher: EventPublisher) -> None:
+    def __init__(self, publisher: EventPublisher, block_tokens: int) -> None:
         self.publisher = publisher
+        self.block_tokens = block_tokens
 
     def step_planned(self, pool: str, plan: StepPlan) -> None:
         self.publisher.publish(pool, removed_events(plan.removed))
 
     def committed(self, pool: str, result: CommitResult) -> None:
-        self.publisher.publish(pool, removed_events(result.removed))
+        self.publisher.publish(pool, [*self._stored(result), *removed_events(result.removed)])
+
+    def _stored(self, result: CommitResult) -> list[BlockStored]:
+        events = []
+        for r in result.requests:
+            if r.block_hashes:
+                events.append(BlockStored(r.block_hashes, r.parent_hash, self.block_tokens, "mla"))
+            if r.checkpoint_hash is not None:
+                events.append(BlockStored([r.checkpoint_hash], None, self.block_tokens, "kda"))
+        return events
 
     def released(self, pool: str, result: ReleaseResult) -> None:
         self.publisher.publish(pool, removed_events(result.removed))
@@ -66,7 +77,7 @@ async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
         observer = None
         if mqtt is not None:
             publisher = await stack.enter_async_context(MqttEventPublisher(mqtt))
-            observer = EventsObserver(publisher)
+            observer = EventsObserver(publisher, settings.config.cache.hash_block_tokens)
         service = await stack.enter_async_context(CacheTierService(settings, observer))
         if mqtt is not None:
             await stack.enter_async_context(LivenessWatcher(mqtt, service.agent_lost))

@@ -84,9 +84,16 @@ class CommitItem:
 
 @dataclass(frozen=True)
 class CommittedRequest:
+    """`block_hashes` is the chain of hashes the commit processed, each one block past the one
+    before and the first one past `parent_hash` (None at the namespace root): what the cache
+    holds for this request now (matchable once the ticket is confirmed), for cache events."""
+
     rid: str
     endpoints: int
     checkpoint: Literal["none", "registered", "duplicate", "unanchored"]
+    block_hashes: list[bytes] = field(default_factory=list)
+    parent_hash: bytes | None = None
+    checkpoint_hash: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -339,7 +339,10 @@ class ReferenceIndex:
             r["pend"] = [p for p in r["pend"] if p["unpin"] < 0]
             blob = b"\0" * (r["hoff"] * self.HL) + self.s.reqh[item.rid]
             p = {"t": ticket, "fills": {}, "unpin": -1, "ck": -1, "ckh": b""}
+            first = r["reg"]
             count = self._register_endpoints(item.rid, r, blob, item.stop // self.B, p["fills"])
+            stored = [self._h(blob, i) for i in range(first + 1, r["reg"] + 1)]
+            parent = self._h(blob, first) if first > 0 else None
             state = "none"
             if item.checkpoint_tokens > 0:
                 state = self._register_checkpoint(item.rid, r, blob, item.checkpoint_tokens // self.B,
@@ -350,7 +353,7 @@ class ReferenceIndex:
             r["pend"].append(p)
             r["pos"] = r["stop"] = item.stop
             r["tix"].append(ticket)
-            out.append(CommittedRequest(item.rid, count, state))
+            out.append(CommittedRequest(item.rid, count, state, stored, parent, p["ckh"] or None))
         self._new_ticket([i.rid for i in items])
         return CommitResult(ticket, out, removed)
 

@@ -86,9 +86,14 @@ class PrefixIndex:
         reply = await self._call("commit", [_pack(batch)])
         return CommitResult(
             ticket=reply["ticket"],
-            requests=[CommittedRequest(r["rid"].decode(), r["endpoints"], r["ckpt"].decode())
-                      for r in _list(reply["requests"])],
+            requests=[self._committed(r) for r in _list(reply["requests"])],
             removed=_removals(reply["removed"]))
+
+    def _committed(self, r: dict[str, Any]) -> CommittedRequest:
+        stored = r["stored"]
+        hashes = [stored[i:i + self._hash_len] for i in range(0, len(stored), self._hash_len)]
+        return CommittedRequest(r["rid"].decode(), r["endpoints"], r["ckpt"].decode(), hashes,
+                                r["parent"] or None, r["ckh"] or None)
 
     async def release(self, rids: Sequence[str]) -> ReleaseResult:
         reply = await self._call("release", [_pack(list(rids))])

@@ -35,7 +35,7 @@ from cachetier.protocol import (CLIENT_OPS, PROTOCOL_VERSION, CopyBatch, HealthR
                                 Register, Registered, Reply, error_frame, from_wire, ok_frame,
                                 parse_reply, parse_request)
 from cachetier.hooks import ServiceObserver
-from cachetier.events import AllBlocksCleared, EventSubscriber
+from cachetier.events import AllBlocksCleared, BlockStored, EventSubscriber
 from cachetier.liveness import LivenessWatcher
 from cachetier.nodes import run_agent, run_service
 from cachetier.servers import MosquittoServer, RedisServer, parent_death_hook
@@ -44,7 +44,8 @@ from gpu_pool import PagedPool
 from index.records import RequestPlan, StepPlan
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from tests.index_harness import commit_item, new_request
+from index.hashing import chain_hashes, split_hashes
+from tests.index_harness import ROOT, commit_item, new_request
 from tests.test_index_bad_input import dump
 
 TOKEN = "test-token"
@@ -376,6 +377,13 @@ async def test_with_a_broker_the_cluster_publishes_events_and_presence(redis, re
                 assert first.batch.events == [AllBlocksCleared(2)] and first.missed == 0
                 status = await eventually(online, lambda a: ("p", 0) in a and a["p", 0].epoch)
                 assert status["p", 0].agent_id == agent_settings.agent_id
+                tokens = list(range(3 * BLOCK + 1))
+                async with CacheTierClient(ready.result(), token=TOKEN) as tier:
+                    await serve_prompt(tier, "stored", tokens)
+                hashes = split_hashes(chain_hashes(tokens, ROOT, BLOCK))
+                stored = (await asyncio.wait_for(events.get(), 10)).batch.events
+                assert stored == [BlockStored(hashes, None, BLOCK, "mla"),
+                                  BlockStored([hashes[-1]], None, BLOCK, "kda")]
                 agent.cancel()
                 await asyncio.gather(agent, return_exceptions=True)
                 assert await asyncio.wait_for(lost.get(), 10) == ("p", 0, agent_settings.agent_id)

@@ -5,7 +5,10 @@
 -- ARGV[2] - msgpack list of {rid = str, stop = tokens now processed (start < stop <= planned stop),
 --           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
 --           (a multiple of the hash block inside (start, stop]) or 0, turn_end = 0|1}
--- returns msgpack {ticket, requests = {{rid, endpoints, ckpt}}, removed = {...}}
+-- returns msgpack {ticket, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
+--           `stored` is the chain of block hashes this commit processed (registered here or
+--           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
+--           checkpoint registered ("" if none): what cache-event consumers are told was stored.
 --
 -- Everything registered here is pending (never matched) until `confirm(ticket)` (invariant 2).
 -- The pins on the checkpoints this request restored from are dropped.
@@ -146,7 +149,10 @@ for n, item in ipairs(batch) do
   local blob = redis.call("HGET", K_REQH, item.rid)
   local function hash_at(i) return block_hash(blob, HL, i - r.hoff) end
   local p = {t = ticket, fills = {}, unpin = -1, ck = -1, ckh = ""}
+  local first = r.reg
   local count = register_endpoints(item.rid, r, hash_at, math.floor(item.stop / B), p.fills)
+  local stored = string.sub(blob, (first - r.hoff) * HL + 1, (r.reg - r.hoff) * HL)
+  local parent = first > 0 and hash_at(first) or ""
   local ck_state = "none"
   if item.ckpt_tokens > 0 then
     ck_state = register_checkpoint(item.rid, r, hash_at, item.ckpt_tokens / B, item.turn_end, p)
@@ -159,7 +165,8 @@ for n, item in ipairs(batch) do
   r.tix[#r.tix + 1] = ticket
   put_req(item.rid, r)
   rids[n] = item.rid
-  out[n] = {rid = item.rid, endpoints = count, ckpt = ck_state}
+  out[n] = {rid = item.rid, endpoints = count, ckpt = ck_state, stored = stored, parent = parent,
+            ckh = p.ckh}
 end
 new_ticket(m, rids)
 save_meta(m)
