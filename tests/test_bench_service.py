@@ -4,25 +4,17 @@ directly, and a short throughput run."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from redis.asyncio import Redis
 
 from cachetier.cli import main
+from tests.test_bench_lookup import all_keys
 
 CASE_KEYS = {"batch", "tokens", "service_p50_us", "service_p99_us", "direct_p50_us",
              "rtt_p50_us", "ratio", "copies_per_step", "hit_tokens"}
 POSITIVE = ("service_p50_us", "service_p99_us", "direct_p50_us", "rtt_p50_us", "ratio",
             "copies_per_step", "copy_bytes_per_step", "agent_copy_p50_us")
-
-
-def all_keys(url: str) -> set[bytes]:
-    async def scan() -> set[bytes]:
-        async with Redis.from_url(url) as client:
-            return {key async for key in client.scan_iter()}
-    return asyncio.run(scan())
 
 
 def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +60,16 @@ def default_reps(tokens: int, batch: int, quick: bool) -> int:
     return 200 if tokens * batch <= 2**24 else 60
 
 
-def build_cases(args: argparse.Namespace) -> list[Case]:
-    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
-    batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
+def build_cases(args: argparse.Namespace, sizes: tuple[Sequence[int], Sequence[int]] = (TOKENS, BATCHES),
+                quick_sizes: tuple[Sequence[int], Sequence[int]] = (QUICK_TOKENS, QUICK_BATCHES),
+                reps_rule: Callable[[int, int, bool], int] = default_reps) -> list[Case]:
+    """Every (tokens, batch) pair of the flags, else of the default or quick sizes."""
+    tokens = args.tokens or (quick_sizes if args.quick else sizes)[0]
+    batches = args.batches or (quick_sizes if args.quick else sizes)[1]
     cases = []
     for n in tokens:
         for b in batches:
-            reps = default_reps(n, b, args.quick) if args.repeats is None else args.repeats
+            reps = reps_rule(n, b, args.quick) if args.repeats is None else args.repeats
             cases.append(Case(n, b, reps, warmup=max(2, reps // 10)))
     return cases
 

@@ -46,6 +46,8 @@ from redis.asyncio import Redis
 
 from cachetier.agent import Agent, AgentSettings
 from cachetier.bench.lookup import (
+    Case,
+    build_cases,
     conversation_tokens,
     expect_plan,
     prefix_hashes,
@@ -75,29 +77,14 @@ SMALL_MODEL = {"model.layers_per_group": "1", "model.kda_heads": "1", "model.kda
                "model.kda_head_v_dim": "16", "model.mla_latent_dim": "8"}
 
 
-@dataclass(frozen=True)
-class Case:
-    tokens: int
-    batch: int
-    reps: int
-    warmup: int
-
-
 def default_reps(tokens: int, batch: int, quick: bool) -> int:
     if quick:
         return 10
     return 300 if batch == 1 else 100
 
 
-def build_cases(args: argparse.Namespace) -> list[Case]:
-    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
-    batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
-    cases = []
-    for n in tokens:
-        for b in batches:
-            reps = default_reps(n, b, args.quick) if args.repeats is None else args.repeats
-            cases.append(Case(n, b, reps, warmup=max(2, reps // 10)))
-    return cases
+def service_cases(args: argparse.Namespace) -> list[Case]:
+    return build_cases(args, (TOKENS, BATCHES), (QUICK_TOKENS, QUICK_BATCHES), default_reps)
 
 
 def bench_config(args: argparse.Namespace) -> Config:
@@ -336,7 +323,7 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = bench_config(args)
-    cases = build_cases(args)
+    cases = service_cases(args)
     clients = args.clients if args.clients is not None else (
         QUICK_CLIENTS if args.quick else CLIENTS)
     duration = args.duration if args.duration is not None else (
