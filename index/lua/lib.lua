@@ -50,20 +50,18 @@ local function load_meta(expected_epoch)
   return m
 end
 
-local function get_rec(id)
-  local raw = redis.call("HGET", K_PAGES, id)
+local function get_packed(key, field)
+  local raw = redis.call("HGET", key, field)
   if not raw then return nil end
   return cmsgpack.unpack(raw)
 end
+
+local function get_rec(id) return get_packed(K_PAGES, id) end
+local function get_ep(h) return get_packed(K_EP, h) end
+local function get_req(rid) return get_packed(K_REQ, rid) end
 
 local function put_rec(id, rec)
   redis.call("HSET", K_PAGES, id, cmsgpack.pack(rec))
-end
-
-local function get_ep(h)
-  local raw = redis.call("HGET", K_EP, h)
-  if not raw then return nil end
-  return cmsgpack.unpack(raw)
 end
 
 local function get_rf(lead)
@@ -208,12 +206,6 @@ local function new_ticket(m, rids)
   m.ticket = m.ticket + 1
   redis.call("HSET", K_TIX, m.ticket, cmsgpack.pack(rids))
   return m.ticket
-end
-
-local function get_req(rid)
-  local raw = redis.call("HGET", K_REQ, rid)
-  if not raw then return nil end
-  return cmsgpack.unpack(raw)
 end
 
 local function put_req(rid, r)
