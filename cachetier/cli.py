@@ -145,7 +145,7 @@ def _announce_listening(url: str) -> None:
 
 
 def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from cachetier.agent import AgentSettings
+    from gpu_pool.agent import AgentSettings
     from cachetier.nodes import run_agent
     settings = AgentSettings(
         services=tuple(args.service), pool=args.pool, token=_token(args), rank=args.rank,

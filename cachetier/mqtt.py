@@ -133,18 +133,31 @@ class MqttLink:
             await asyncio.sleep(self._backoff.next_delay())
 
     async def _connection(self) -> None:
-        async with aiomqtt.Client(self.address.host, self.address.port, will=self._will,
-                                  keepalive=self._keepalive_s) as client:
-            await self._setup(client)
-            self._backoff.reset()
-            self.client = client
-            self.connections += 1
-            self.connected.set()
-            try:
-                await self._serve(client)
-            finally:
-                self.connected.clear()
-                self.client = None
+        client = aiomqtt.Client(self.address.host, self.address.port, will=self._will,
+                                keepalive=self._keepalive_s)
+        try:
+            async with client:
+                await self._setup(client)
+                self._backoff.reset()
+                self.client = client
+                self.connections += 1
+                self.connected.set()
+                try:
+                    await self._serve(client)
+                finally:
+                    self.connected.clear()
+                    self.client = None
+        finally:
+            _retrieve_disconnection(client)
+
+
+def _retrieve_disconnection(client: aiomqtt.Client) -> None:
+    """aiomqtt keeps the reason of an unexpected disconnection in a future that nobody awaits when
+    the link was cancelled or already failed elsewhere; reading it here stops asyncio from logging
+    "Future exception was never retrieved" (after the test summary, or in a service's log)."""
+    disconnected = getattr(client, "_disconnected", None)
+    if isinstance(disconnected, asyncio.Future) and disconnected.done() and not disconnected.cancelled():
+        disconnected.exception()
 
 
 class LinkOwner:

@@ -23,7 +23,7 @@ from cachetier.service import CacheTierService, ServiceSettings
 from index.records import CommitResult, ReleaseResult, StepPlan
 
 if TYPE_CHECKING:
-    from cachetier.agent import AgentSettings
+    from gpu_pool.agent import AgentSettings
 
 
 class EventsObserver(ServiceObserver):
@@ -87,7 +87,7 @@ async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
 
 async def run_agent(settings: AgentSettings, mqtt: str | None = None) -> None:
     """Serve the services until cancelled; with a broker, online while running, and a Will."""
-    from cachetier.agent import Agent  # torch and the kernels: only an agent needs them
+    from gpu_pool.agent import Agent  # torch and the kernels: only an agent needs them
     async with contextlib.AsyncExitStack() as stack:
         observer = None
         if mqtt is not None:

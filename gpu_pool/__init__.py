@@ -1,4 +1,6 @@
-"""The data plane's memory: the unified paged pool, its page layouts and typed views.
+"""The data plane: the unified paged pool, its page layouts and typed views, and the agent
+process that holds one rank's pool and runs the copy batches the service sends (`gpu_pool.agent`,
+imported on its own: it brings the protocol and the kernels).
 
 Holds bytes only. It never decides what a page means: page ownership, hashes and refcounts live in
 Redis (`index/`).

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from cachetier.agent import Agent, AgentSettings
+from gpu_pool.agent import Agent, AgentSettings
 from cachetier.channel import Channel
 from cachetier.client import CacheTierClient
 from cachetier.config import CacheSpec, Config

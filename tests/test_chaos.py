@@ -64,7 +64,7 @@ DOCS = [[1000 * (d + 1) + (13 * i + 7 * d) % 997 for i in range(256)] for d in r
 
 ZYGOTE = r"""
 import ctypes, json, os, signal, sys
-import torch, kernels, gpu_pool, cachetier.agent, cachetier.nodes, cachetier.cli
+import torch, kernels, gpu_pool, gpu_pool.agent, cachetier.nodes, cachetier.cli
 libc = ctypes.CDLL(None, use_errno=True)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # dead agents are reaped by the kernel
 print("ready", flush=True)

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachetier.agent import Agent, AgentSettings
+from gpu_pool.agent import Agent, AgentSettings
 from cachetier.channel import exchange
 from cachetier.client import CacheTierClient
 from cachetier.config import PRESETS, Config

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from cachetier.agent import Agent, AgentSettings
+from gpu_pool.agent import Agent, AgentSettings
 from cachetier.bench.lookup import (
     Case,
     build_cases,

@@ -37,7 +37,7 @@ from cachetier.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, Copy
 from gpu_pool import PagedPool, PoolHandle
 from kernels import page_copy
 
-logger = logging.getLogger("cachetier.agent")
+logger = logging.getLogger("gpu_pool.agent")
 
 
 @dataclass(frozen=True)
