@@ -1,5 +1,6 @@
-"""Reference for `page_copy` in plain torch and numpy, and the CPU fallback the launcher uses
-without Triton.
+"""References for `page_copy`: `page_copy_naive`, the plain torch definition row by row (the oracle
+the tests hold both the kernel and the fallback to), and `page_copy_ref`, the CPU fallback the
+launcher uses without Triton, which must move the same bytes fast.
 
 Efficient enough to be the fallback: a batch moves in as few calls as its ranges allow, whatever
 the number of rows (found in vectorised passes, never row by row):
@@ -26,6 +27,12 @@ from kernels._launch import Buffer, Records, buffer, word_width
 LOOP_MIN_BYTES = 256 * 1024  # per range and slot: from here on, one copy_ per pair
 CHUNK_BYTES = 256 * 1024  # records gathered and scattered per step: a quarter of a core's L2
 MAX_GRANULES_PER_ROW = 8  # beyond this, rows of mixed sizes move group by group instead
+
+
+def page_copy_naive(src: torch.Tensor, dst: torch.Tensor, rows: list[tuple[int, int, int, int]]) -> None:
+    """For each (src_page, dst_page, byte_offset, byte_count), one slice assignment over all slots."""
+    for s, d, offset, count in rows:
+        dst[:, d, offset:offset + count] = src[:, s, offset:offset + count]
 
 
 def page_copy_ref(src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import torch
 from kernels import head_reshard, page_copy
 from kernels._launch import LazyJit, _buffers, block_rule, buffer, word_width
 from kernels.head_reshard_ref import head_reshard_ref
-from kernels.page_copy_ref import CHUNK_BYTES, LOOP_MIN_BYTES, page_copy_ref
+from kernels.page_copy_ref import CHUNK_BYTES, LOOP_MIN_BYTES, page_copy_naive, page_copy_ref
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,6 @@ def filled(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return values.view(torch.uint8)
 
 
-def naive_copy(src: torch.Tensor, dst: torch.Tensor, rows: list[tuple[int, int, int, int]]) -> None:
-    for s, d, offset, count in rows:
-        dst[:, d, offset:offset + count] = src[:, s, offset:offset + count]
-
-
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
 COPY_CASES = {
@@ -83,7 +78,7 @@ def test_page_copy_matches_reference(target: Target, case: str, dtype: torch.dty
     shape, rows = COPY_CASES[case]
     buf = filled(shape, dtype, seed=1).to(target.device)
     expected = buf.cpu().clone()
-    naive_copy(expected.clone(), expected, rows)
+    page_copy_naive(expected.clone(), expected, rows)
     assert page_copy(buf, buf, rows) == target.backend
     assert torch.equal(buf.cpu(), expected)
     ref = filled(shape, dtype, seed=1)
@@ -97,7 +92,7 @@ def test_page_copy_between_buffers_of_different_geometry(target: Target) -> None
     rows = [(4, 0, 0, 2048), (0, 6, 512, 1000)]
     assert page_copy(src, dst, rows) == target.backend
     expected = torch.zeros(2, 7, 2048, dtype=torch.uint8)
-    naive_copy(src.cpu(), expected, rows)
+    page_copy_naive(src.cpu(), expected, rows)
     assert torch.equal(dst.cpu(), expected)
 
 
@@ -118,7 +113,7 @@ def test_large_ranges_take_the_per_pair_path_and_match() -> None:
     rows = [(0, 2, 8, LOOP_MIN_BYTES), (1, 3, 0, LOOP_MIN_BYTES + 8)]
     buf = filled((2, 4, LOOP_MIN_BYTES + 64), torch.float32, seed=4)
     expected = buf.clone()
-    naive_copy(buf.clone(), expected, rows)
+    page_copy_naive(buf.clone(), expected, rows)
     page_copy_ref(buf, buf, torch.tensor(rows))
     assert torch.equal(buf, expected)
 
@@ -131,7 +126,7 @@ def test_page_copy_on_buffers_whose_slot_stride_is_not_a_page_multiple(target: T
     rows = [(0, 3, 0, 1024), (1, 2, 512, 256)]
     expected = storage.cpu().clone()
     expected_view = expected.as_strided(buf.shape, buf.stride())
-    naive_copy(expected_view.clone(), expected_view, rows)
+    page_copy_naive(expected_view.clone(), expected_view, rows)
     assert page_copy(buf, buf, rows) == target.backend
     assert torch.equal(storage.cpu(), expected)
 
@@ -144,7 +139,7 @@ def test_batch_forms_are_all_accepted(target: Target) -> None:
     for form in (rows, torch.tensor(rows, dtype=torch.int32), np.array(rows), wide):
         buf = filled((2, 8, 128), torch.float32, seed=9).to(target.device)
         expected = buf.cpu().clone()
-        naive_copy(expected.clone(), expected, rows)
+        page_copy_naive(expected.clone(), expected, rows)
         assert page_copy(buf, buf, form) == target.backend
         assert torch.equal(buf.cpu(), expected)
 
@@ -211,7 +206,7 @@ def test_interpreter_really_is_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert isinstance(LazyJit(naive_copy).kernel(), InterpretedFunction)
+    assert isinstance(LazyJit(page_copy_naive).kernel(), InterpretedFunction)
 
 
 @pytest.mark.parametrize("quantities, width", [
