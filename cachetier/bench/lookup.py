@@ -296,18 +296,23 @@ async def redis_url(given: str | None) -> AsyncIterator[str]:
         yield server.url
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The bench's own options; `--json` belongs to the CLI, which prints `run`'s result."""
+def add_case_arguments(parser: argparse.ArgumentParser, sizes: tuple[Sequence[int], Sequence[int]],
+                       repeats_help: str) -> None:
+    """The options every step benchmark shares: preset, server, case sizes, repetitions."""
     add_config_arguments(parser)
     parser.set_defaults(preset="kimi-k3")
     parser.add_argument("--redis", metavar="URL",
                         help="use this server (e.g. redis://host:6379) instead of a private one")
     parser.add_argument("--tokens", type=int, nargs="+", metavar="N",
-                        help=f"prompt lengths (default: {' '.join(map(str, TOKENS))})")
+                        help=f"prompt lengths (default: {' '.join(map(str, sizes[0]))})")
     parser.add_argument("--batches", type=int, nargs="+", metavar="B",
-                        help=f"requests per step (default: {' '.join(map(str, BATCHES))})")
-    parser.add_argument("--repeats", type=int, metavar="N",
-                        help="timed steps per case (default: 200, fewer for the largest)")
+                        help=f"requests per step (default: {' '.join(map(str, sizes[1]))})")
+    parser.add_argument("--repeats", type=int, metavar="N", help=repeats_help)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's own options; `--json` belongs to the CLI, which prints `run`'s result."""
+    add_case_arguments(parser, (TOKENS, BATCHES), "timed steps per case (default: 200, fewer for the largest)")
     parser.add_argument("--quick", action="store_true",
                         help="small prompts and batches, few steps: a smoke run for tests")
 

@@ -47,13 +47,14 @@ from redis.asyncio import Redis
 from gpu_pool.agent import Agent, AgentSettings
 from cachetier.bench.lookup import (
     Case,
+    add_case_arguments,
     build_cases,
     conversation_tokens,
     expect_plan,
     prefix_hashes,
     redis_url,
 )
-from cachetier.cli import add_config_arguments, config_from_args
+from cachetier.cli import config_from_args
 from cachetier.client import CacheTierClient
 from cachetier.config import Config, ConfigError, load_config
 from cachetier.service import CacheTierService, ServiceSettings
@@ -409,18 +410,10 @@ def _target(results: Sequence[dict[str, Any]], tokens: int, batch: int) -> dict[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser)
-    parser.set_defaults(preset="kimi-k3")
+    add_case_arguments(parser, (TOKENS, BATCHES),
+                       "timed steps per case (default: 300 for batch 1, 100 otherwise)")
     parser.add_argument("--full-pages", action="store_true",
                         help="keep the preset's model (real page sizes: needs a lot of memory)")
-    parser.add_argument("--redis", metavar="URL",
-                        help="use this server (e.g. redis://host:6379) instead of a private one")
-    parser.add_argument("--tokens", type=int, nargs="+", metavar="N",
-                        help=f"prompt lengths (default: {' '.join(map(str, TOKENS))})")
-    parser.add_argument("--batches", type=int, nargs="+", metavar="B",
-                        help=f"requests per step (default: {' '.join(map(str, BATCHES))})")
-    parser.add_argument("--repeats", type=int, metavar="N",
-                        help="timed steps per case (default: 300 for batch 1, 100 otherwise)")
     parser.add_argument("--clients", type=int, metavar="N",
                         help=f"concurrent clients of the throughput run (default {CLIENTS})")
     parser.add_argument("--duration", type=float, metavar="S",
