@@ -25,12 +25,15 @@ import tomllib
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachetier.config import PRESETS, Config, ConfigError, load_config
 from cachetier.framing import DEFAULT_MAX_FRAME
 
-BENCHES = ("lookup", "restore", "service")
+if TYPE_CHECKING:
+    from cachetier.cluster import ClusterSettings
+
+BENCHES = ("lookup", "restore", "service", "transfer")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,35 +227,71 @@ def _add_agent_parser(commands: Any) -> None:
     agent.set_defaults(handler=_agent)
 
 
-def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from cachetier.cluster import ClusterSettings, UpOptions, up
-    args.overrides.append(("model.tp_degree", str(args.agents)))  # one agent per rank
+def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
+    from cachetier.cluster import ClusterSettings
+    args.overrides.append(("model.tp_degree", str(agents)))  # one agent per rank
     config = config_from_args(args)  # a bad configuration is refused here, not in a child
     serve_config = ["--preset", args.preset, *(["--config", args.config] if args.config else []),
                     *(f"--set={key}={value}" for key, value in args.overrides)]
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    settings = ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
-                               config=config, serve_config_args=tuple(serve_config),
-                               agents=args.agents, port=args.port)
-    options = UpOptions(args.workload, args.exit_after_workload, args.json)
-    return up(settings, options)
+    return ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
+                           config=config, serve_config_args=tuple(serve_config), agents=agents,
+                           port=args.port)
+
+
+def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.cluster import up
+    return up(_cluster_settings(args, args.agents))
+
+
+def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.cluster import up
+    from cachetier.demo import DemoOptions, run_demo
+    from cachetier.sessions import SessionSpec
+    try:
+        spec = SessionSpec(sessions=args.sessions, turns=args.turns, seed=args.seed)
+    except ValueError as exc:
+        raise ConfigError("demo", str(exc)) from None
+    if args.chunk < 1:
+        raise ConfigError("demo.chunk", "must be >= 1")
+    options = DemoOptions(spec, args.policy, args.chunk, args.json, args.plot)
+    return up(_cluster_settings(args, 1), lambda cluster: run_demo(cluster, options))
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--port", type=int, default=port,
+                        help=f"service TCP port (0: any free port; default {port})")
+    parser.add_argument("--token", help="shared secret of the cluster (default: a new random one)")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR",
+                        help="logs, pids.json and redis data (default: runs/<timestamp>)")
+    add_config_arguments(parser)
 
 
 def _add_up_parser(commands: Any) -> None:
-    up = commands.add_parser("up", help="run redis, mosquitto, the service and CPU agents here")
+    up = commands.add_parser("up", help="run redis, mosquitto, the service and CPU agents here "
+                                        "until Ctrl-C")
     up.add_argument("--agents", type=int, default=2, metavar="N",
                     help="CPU agents: the tensor-parallel ranks of pool pool0 (default 2)")
-    up.add_argument("--port", type=int, default=7400, help="service TCP port (0: any free port)")
-    up.add_argument("--token", help="shared secret of the cluster (default: a new random one)")
-    up.add_argument("--run-dir", type=Path, metavar="DIR",
-                    help="logs, pids.json and redis data (default: runs/<timestamp>)")
-    up.add_argument("--workload", type=int, default=0, metavar="SESSIONS",
-                    help="once up, run a demo of SESSIONS multi-turn chats and print a summary")
-    up.add_argument("--exit-after-workload", action="store_true",
-                    help="stop the cluster once the workload is done")
-    up.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    add_config_arguments(up)
+    _add_cluster_arguments(up, 7400)
     up.set_defaults(handler=_up)
+
+
+def _add_demo_parser(commands: Any) -> None:
+    from cachetier.checkpoint_policy import POLICIES
+    demo = commands.add_parser("demo", help="the local cluster serving multi-turn sessions through "
+                                            "the tiny hybrid model, every hit verified")
+    demo.add_argument("--sessions", type=int, default=12, help="sessions (default 12)")
+    demo.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
+    demo.add_argument("--chunk", type=int, default=48, metavar="TOKENS",
+                      help="chunked-prefill size, any number of tokens (default 48)")
+    demo.add_argument("--policy", choices=sorted(POLICIES), default="branch",
+                      help="checkpoint policy (default branch)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the sessions (default 0)")
+    demo.add_argument("--plot", type=Path, metavar="PNG",
+                      help="hit ratio plot (default: demo-hit-ratio.png in the run directory)")
+    demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _add_cluster_arguments(demo, 0)
+    demo.set_defaults(handler=_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
     _add_agent_parser(commands)
     _add_up_parser(commands)
+    _add_demo_parser(commands)
     return parser
 
 

@@ -26,8 +26,10 @@ from typing import Any, Sequence
 from cachetier.channel import Channel, exchange
 from cachetier.errors import BrokenStream, ConnectionLost
 from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint
-from cachetier.protocol import (PROTOCOL_VERSION, Commit, Confirm, Health, HealthReport, Hello,
-                                Plan, PlanReply, PoolStats, Release, Stats, Welcome)
+from cachetier.protocol import (PROTOCOL_VERSION, Commit, Confirm, Handoff, HandoffReply, Health,
+                                HealthReport, Hello, Plan, PlanReply, PoolStats, Release, Route,
+                                RouteReply, Stats, Welcome)
+from index.prefix import PrefixProbe
 from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
                            StepRequest)
 
@@ -76,6 +78,17 @@ class CacheTierClient:
 
     async def health(self) -> HealthReport:
         return await self._call(Health())
+
+    async def route(self, pools: Sequence[str], prompt_tokens: int,
+                    hashes: bytes) -> list[PrefixProbe]:
+        """Each pool's usable prefix of the prompt, longest first (read-only: for routing)."""
+        reply: RouteReply = await self._call(Route(list(pools), prompt_tokens, hashes))
+        return reply.probes
+
+    async def handoff(self, src_pool: str, dst_pool: str, prompt_tokens: int,
+                      hashes: bytes) -> HandoffReply:
+        """Copy the prompt's prefix cached in `src_pool` into `dst_pool` (prefill -> decode)."""
+        return await self._call(Handoff(src_pool, dst_pool, prompt_tokens, hashes))
 
     async def _call(self, message: Any) -> Any:
         channel = await self._open_channel()

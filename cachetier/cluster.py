@@ -36,7 +36,6 @@ from cachetier.servers import (
     parent_death_hook,
     terminate,
 )
-from cachetier.workload import Summary, Workload, WorkloadSpec
 
 POOL = "pool0"
 _LISTENING = re.compile(rb"listening on (\S+)")
@@ -185,6 +184,7 @@ class Cluster:
             self._spawn(f"agent-{rank}", ["agent", "--service", self.service_url, "--pool", POOL,
                                           "--rank", str(rank), "--tp-degree",
                                           str(self.settings.agents), "--device", "cpu",
+                                          "--handle-file", str(self.handle_file(rank)),
                                           *self._node_args()])
         asyncio.run(self._until_registered())
 
@@ -217,6 +217,10 @@ class Cluster:
                                        f"{self.run_dir}/agent-*.log")
                 await asyncio.sleep(_POLL_S)
 
+    def handle_file(self, rank: int) -> Path:
+        """Where agent `rank` writes the handle a co-located worker attaches to its pool with."""
+        return self.run_dir / f"agent-{rank}.handle"
+
     def client(self) -> CacheTierClient:
         return CacheTierClient(self.service_url, token=self.settings.token)
 
@@ -228,13 +232,6 @@ class Cluster:
     def describe(self) -> str:
         return (f"service {self.service_url} (pool {POOL}, {self.settings.agents} CPU agents), "
                 f"redis {self.redis.url}, mqtt {self.mqtt.url}, token {self.settings.token}")
-
-
-async def run_workload(cluster: Cluster, sessions: int,
-                       progress: Callable[[str], None]) -> Summary:
-    async with cluster.client() as tier:
-        spec = WorkloadSpec(sessions)
-        return await Workload(tier, POOL, cluster.settings.config, spec, progress).run()
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -257,25 +254,16 @@ _INTERRUPTIBLE = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _in
 _IGNORED = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}
 
 
-@dataclass(frozen=True)
-class UpOptions:
-    workload: int = 0
-    exit_after_workload: bool = False
-    json: bool = False
-
-
-def up(settings: ClusterSettings, options: UpOptions) -> int:
-    """Run the cluster (and the workload) until done or interrupted: 0, or 1 if anything failed.
-    Status lines go to stderr; stdout carries only the workload's summary."""
+def up(settings: ClusterSettings, job: Callable[[Cluster], None] | None = None) -> int:
+    """Run the cluster until interrupted, or with `job` until the job is done: 0, or 1 if
+    anything failed. Status lines go to stderr; stdout is the job's."""
     say(f"run directory {settings.run_dir} (logs: *.log, pids.json)")
     try:
         with _signal_handlers(_INTERRUPTIBLE), Cluster(settings) as cluster:
             say(f"up: {cluster.describe()}")
-            if options.workload:
-                summary = asyncio.run(run_workload(cluster, options.workload, say))
-                print(json.dumps(summary.as_dict()) if options.json else format_summary(summary),
-                      flush=True)
-            if not options.exit_after_workload:
+            if job is not None:
+                job(cluster)
+            else:
                 say("ready; Ctrl-C to stop")
                 _watch(cluster)
     except KeyboardInterrupt:
@@ -292,12 +280,6 @@ def _watch(cluster: Cluster) -> None:
     while True:
         cluster.check_alive()
         time.sleep(0.5)
-
-
-def format_summary(summary: Summary) -> str:
-    return (f"workload: {summary.requests} requests ({summary.hit_requests} hit), "
-            f"{summary.tokens} tokens, {summary.hit_tokens} hit tokens "
-            f"({summary.hit_ratio:.1%}), {summary.steps} steps")
 
 
 def say(line: str) -> None:

@@ -31,6 +31,7 @@ class ErrorCode(enum.StrEnum):
     AGENT_LOST = "agent_lost"
     COPY_FAILED = "copy_failed"
     COPY_TIMEOUT = "copy_timeout"
+    TRANSFER_FAILED = "transfer_failed"  # a page transfer between agents ended before its last byte
     REDIS_UNAVAILABLE = "redis_unavailable"
     CONNECTION_LOST = "connection_lost"
     TIMEOUT = "timeout"
@@ -141,6 +142,13 @@ class CopyTimeout(AgentLost):
 
 class CopyFailed(CacheTierError):
     code = ErrorCode.COPY_FAILED
+    retryable = True
+
+
+class TransferFailed(CacheTierError):
+    """A transfer between agents did not deliver every byte: what it wrote is not valid data."""
+
+    code = ErrorCode.TRANSFER_FAILED
     retryable = True
 
 

@@ -26,6 +26,7 @@ class AgentLink:
 
     identity: AgentIdentity
     channel: Channel
+    data_url: str = ""  # where peers pull this rank's pages
     loss: asyncio.Task[None] | None = None  # the service's handling of this link's loss, once
 
     @property

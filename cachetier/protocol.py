@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 from cachetier.config import CacheSpec, ModelSpec
 from cachetier.errors import BadFrame, BadMessage, ErrorInfo, RemoteError, UnknownOp
+from index.prefix import PrefixProbe
 from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
                            StepRequest)
 
@@ -79,6 +80,7 @@ class Register:
     tp_degree: int
     agent_id: str
     epoch: int | None = None
+    data_url: str = ""  # where the agent serves its pages to peers (`gpu_pool.transfer`)
 
     @property
     def identity(self) -> AgentIdentity:
@@ -94,6 +96,22 @@ class CopyBatch:
     reply: ClassVar[Any] = None
     epoch: int
     copies: list[tuple[int, int, int, int]]
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Pull pages of another pool into this rank's pages: `sources[r]` is the page server of the
+    source pool's rank r, `src_model`/`src_cache` its geometry (the TP degree may differ), each
+    move `(src_page, dst_page, kind, nbytes)` with kind "kda" or "mla" and nbytes an MLA page's
+    filled prefix (0: whole page). Acked with the bytes received once every byte is in place."""
+
+    op: ClassVar[str] = "fetch"
+    reply: ClassVar[Any] = int
+    epoch: int
+    sources: list[str]
+    src_model: ModelSpec
+    src_cache: CacheSpec
+    moves: list[tuple[int, int, str, int]]
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,44 @@ class Release:
 
 
 @dataclass(frozen=True)
+class RouteReply:
+    """Each pool's probe, the longest usable prefix first."""
+
+    probes: list[PrefixProbe]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which of `pools` holds the longest usable prefix of a prompt (read-only, for routing)."""
+
+    op: ClassVar[str] = "route"
+    reply: ClassVar[Any] = RouteReply
+    pools: list[str]
+    prompt_tokens: int
+    hashes: bytes
+
+
+@dataclass(frozen=True)
+class HandoffReply:
+    hit_tokens: int
+    moved_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Copy the longest usable prefix of a prompt cached in `src_pool` into `dst_pool`
+    (`cachetier.handoff`); answered once the destination's index holds it."""
+
+    op: ClassVar[str] = "handoff"
+    reply: ClassVar[Any] = HandoffReply
+    src_pool: str
+    dst_pool: str
+    prompt_tokens: int
+    hashes: bytes
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """Counters of one pool; `ranks` are the ranks registered on the answering replica."""
 
@@ -155,6 +211,8 @@ class PoolStats:
     requests: int
     pending_tickets: int
     ranks: list[int]
+    checkpoints: int = 0  # registered in every KDA group (one record each)
+    durable_checkpoints: int = 0  # kept at turn ends, branch points, ladder rungs
 
 
 @dataclass(frozen=True)
@@ -182,8 +240,8 @@ def op_table(*messages: type) -> dict[str, type]:
     return {m.op: m for m in messages}
 
 
-CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health)
-AGENT_OPS = op_table(CopyBatch)
+CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health, Route, Handoff)
+AGENT_OPS = op_table(CopyBatch, Fetch)
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,13 @@ from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError,
                               ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
                               error_info)
 from cachetier.fleet import AgentLink, PoolAgents, StepGuard, run_copies
+from cachetier.handoff import PoolSide, hand_off
 from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.hooks import ServiceObserver
-from cachetier.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch, Health,
-                                HealthReport, Hello, Plan, PlanReply, PoolStats, Register,
-                                Registered, Release, Stats, Welcome, ok_frame, op_table,
-                                parse_request, request_id)
+from cachetier.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch, Handoff,
+                                HandoffReply, Health, HealthReport, Hello, Plan, PlanReply,
+                                PoolStats, Register, Registered, Release, Route, RouteReply,
+                                Stats, Welcome, ok_frame, op_table, parse_request, request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal
@@ -68,6 +69,8 @@ class ServiceSettings:
     max_frame: int = DEFAULT_MAX_FRAME
     redis_connections: int = 64
     redis_wait_s: float = 10.0  # for a free connection of the pool, under load
+    # pools whose geometry differs from `config` (e.g. a decode pool of another TP degree)
+    pool_configs: dict[str, Config] = field(default_factory=dict)
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -75,6 +78,7 @@ class ServiceSettings:
 class _Pool:
     index: PrefixIndex
     agents: PoolAgents
+    config: Config
 
 
 def describe(exc: BaseException) -> ErrorInfo:
@@ -115,6 +119,7 @@ class CacheTierService:
         self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
             Plan: self._plan, Commit: self._commit, Confirm: self._confirm,
             Release: self._release, Stats: self._stats, Health: self._health,
+            Route: self._route, Handoff: self._handoff,
         }
 
     @property
@@ -241,7 +246,7 @@ class CacheTierService:
             return
         await stream.send(ok_frame(request_id(frame), registered))
         name = f"agent {register.pool}/{register.rank}"
-        link = AgentLink(register.identity, Channel(stream, name))
+        link = AgentLink(register.identity, Channel(stream, name), register.data_url)
         state.agents.attach(link)
         try:
             await link.channel.wait_closed()
@@ -251,8 +256,11 @@ class CacheTierService:
             raise
         await self._lose(state, link, "connection closed")
 
+    def config_for(self, pool: str) -> Config:
+        return self.settings.pool_configs.get(pool, self.config)
+
     async def _register(self, msg: Register) -> tuple[_Pool, Registered]:
-        tp = self.config.model.tp_degree
+        tp = self.config_for(msg.pool).model.tp_degree
         if msg.tp_degree != tp or not 0 <= msg.rank < tp:
             raise BadMessage(f"rank {msg.rank} of tp_degree {msg.tp_degree} does not fit this "
                              f"service's model (tp_degree {tp})")
@@ -266,7 +274,7 @@ class CacheTierService:
             elif msg.epoch is None:  # new, zeroed bytes: what the pool says it holds is gone
                 await self._invalidate(state, AgentLost(f"pool {msg.pool}: rank {msg.rank} "
                                                         "restarted", [msg.rank]))
-        return state, Registered(state.index.epoch, self.config.model, self.config.cache)
+        return state, Registered(state.index.epoch, state.config.model, state.config.cache)
 
     async def _lose(self, state: _Pool, link: AgentLink, why: str) -> None:
         """Stop using `link` and start a new epoch, once per link: every caller (its connection
@@ -292,8 +300,9 @@ class CacheTierService:
         self.observer.invalidated(state.agents.pool, epoch)
 
     def _new_pool(self, pool: str) -> _Pool:
-        index = PrefixIndex(self.redis, pool, self.config)
-        return _Pool(index, PoolAgents(pool, self.config.model.tp_degree))
+        config = self.config_for(pool)
+        index = PrefixIndex(self.redis, pool, config)
+        return _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
 
     async def _known_pool(self, pool: str) -> _Pool:
         """The pool's state here; a pool that does not exist in Redis is not remembered, so
@@ -371,11 +380,43 @@ class CacheTierService:
     async def _stats(self, msg: Stats) -> PoolStats:
         state = await self._known_pool(msg.pool)
         pool = await read_pool(self.redis, state.index.keys)
-        num_pages = self.config.cache.num_pages
+        num_pages = state.config.cache.num_pages
         return PoolStats(pool=msg.pool, epoch=pool.epoch, num_pages=num_pages,
                          free_pages=len(pool.free) + num_pages - pool.fresh,
                          evictable_pages=pool.lru_page_count, requests=len(pool.req),
-                         pending_tickets=len(pool.tix), ranks=sorted(state.agents.links))
+                         pending_tickets=len(pool.tix), ranks=sorted(state.agents.links),
+                         checkpoints=len(pool.ck),
+                         durable_checkpoints=sum(pool.pages[lead]["dur"] == 1
+                                                 for lead in pool.ck.values()))
+
+    async def _route(self, msg: Route) -> RouteReply:
+        """Every pool's probe, concurrently; the longest usable prefix first."""
+        states = [await self._known_pool(pool) for pool in dict.fromkeys(msg.pools)]
+        probes = await asyncio.gather(*(s.index.probe(msg.prompt_tokens, msg.hashes)
+                                        for s in states))
+        return RouteReply(sorted(probes, key=lambda p: (-p.hit_tokens, -p.mla_tokens)))
+
+    async def _handoff(self, msg: Handoff) -> HandoffReply:
+        """`cachetier.handoff`, as a step of both pools: a lost agent of either fails it, and
+        any failure after the source pin answers a retryable error (both pools released)."""
+        if msg.src_pool == msg.dst_pool:
+            raise BadMessage("a hand-off needs two different pools")
+        src, dst = await self._known_pool(msg.src_pool), await self._known_pool(msg.dst_pool)
+        src_links, dst_links = src.agents.ready_links(), dst.agents.ready_links()
+        with src.agents.step() as src_guard, dst.agents.step() as dst_guard:
+            sides = (PoolSide(src.index, src.config, src_links, src_guard),
+                     PoolSide(dst.index, dst.config, dst_links, dst_guard))
+            try:
+                return await hand_off(*sides, msg.prompt_tokens, msg.hashes,
+                                      self.settings.copy_timeout_s)
+            except (CacheIndexError, BadMessage):  # refused before any pin: retrying won't help
+                raise
+            except Exception as exc:
+                if isinstance(exc, AgentLost):
+                    for link in dst_links:
+                        if link.rank in exc.ranks:
+                            await self._lose(dst, link, str(exc))
+                raise step_failed(exc) from exc
 
     async def _health(self, msg: Health) -> HealthReport:
         try:

@@ -2,7 +2,9 @@
 
 The agent holds bytes and decides nothing: it builds its `PagedPool` with the geometry the service
 sends at registration, runs each copy batch it is sent as one `page_copy` launch, and acknowledges
-once the bytes are on the device. A co-located worker attaches to the same memory through the
+once the bytes are on the device. It also serves its pages to peer agents (`gpu_pool.transfer`,
+on `data_listen`, announced in its registration) and, told to by a `Fetch`, pulls pages of
+another pool (possibly of another TP degree) from that pool's agents into its own. A co-located worker attaches to the same memory through the
 pool's `PoolHandle` (written to `--handle-file`).
 
 It registers with every service replica it is given and keeps each connection up, reconnecting
@@ -32,9 +34,11 @@ from cachetier.errors import (BrokenStream, CacheTierError, ConnectionLost, Remo
                               RequestTimeout, error_info)
 from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.hooks import AgentObserver
-from cachetier.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Hello,
-                                Register, Registered)
-from gpu_pool import PagedPool, PoolHandle
+from cachetier.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fetch,
+                                Hello, Register, Registered)
+from gpu_pool import PageLayout, PagedPool, PoolHandle
+from gpu_pool.streams import PageMove
+from gpu_pool.transfer import PageServer, pull
 from kernels import page_copy
 
 logger = logging.getLogger("gpu_pool.agent")
@@ -54,6 +58,7 @@ class AgentSettings:
     reconnect_min_s: float = 0.05
     reconnect_max_s: float = 2.0
     debug: bool = False
+    data_listen: str = "tcp://127.0.0.1:0"  # where peers pull this rank's pages
     agent_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names this process life
 
 
@@ -72,6 +77,7 @@ class Agent:
         self.epoch: int | None = None
         self.registered = asyncio.Event()
         self._copying = asyncio.Lock()
+        self._pages = PageServer(lambda: self.pool, settings.token, settings.max_frame)
 
     def handle(self) -> PoolHandle:
         if self.pool is None:
@@ -81,6 +87,7 @@ class Agent:
     async def run(self) -> None:
         """Serve every service until cancelled. A refusal that retrying cannot fix (token,
         version, geometry) ends the run with that error."""
+        await self._pages.start(self.settings.data_listen)
         try:
             async with asyncio.TaskGroup() as group:
                 for url in self.settings.services:
@@ -88,6 +95,7 @@ class Agent:
         except BaseExceptionGroup as group:
             raise _first(group) from None
         finally:
+            await self._pages.close()
             self._shut_down()
 
     async def _keep_connected(self, url: str) -> None:
@@ -111,7 +119,7 @@ class Agent:
         try:
             async with asyncio.timeout(self.settings.handshake_timeout_s):
                 await self._register(stream, url)
-            await serve_requests(stream, AGENT_OPS, self._copy, error_info)
+            await serve_requests(stream, AGENT_OPS, self._serve_op, error_info)
         except TimeoutError:
             raise RequestTimeout(f"{url}: no answer to the handshake") from None
         finally:
@@ -120,7 +128,8 @@ class Agent:
     async def _register(self, stream: FramedStream, url: str) -> None:
         s = self.settings
         await exchange(stream, 0, Hello(PROTOCOL_VERSION, s.token, "agent"))
-        register = Register(s.pool, s.rank, s.tp_degree, self.identity.agent_id, self.epoch)
+        register = Register(s.pool, s.rank, s.tp_degree, self.identity.agent_id, self.epoch,
+                            self._pages.url)
         registered: Registered = await exchange(stream, 1, register)
         self._adopt(registered.model, registered.cache)
         self.epoch = registered.epoch
@@ -145,6 +154,23 @@ class Agent:
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
         temporary.write_bytes(pickle.dumps(self.handle()))
         temporary.replace(path)  # a worker never reads a half-written handle
+
+    async def _serve_op(self, message: CopyBatch | Fetch) -> int | None:
+        if isinstance(message, Fetch):
+            return await self._fetch(message)
+        return await self._copy(message)
+
+    async def _fetch(self, order: Fetch) -> int:
+        """Pull every move's streams from the source ranks; acked once the last byte is in place
+        (a source lost before that fails the fetch, and the service drops the pages)."""
+        if self.pool is None:
+            raise RuntimeError("fetch before registration")
+        src = PageLayout.from_specs(order.src_model, order.src_cache)
+        moves = [PageMove.parse(*row) for row in order.moves]
+        received = await pull(self.pool, self.settings.rank, src, order.sources, moves,
+                              self.settings.token, max_frame=self.settings.max_frame)
+        self.epoch = order.epoch
+        return received
 
     async def _copy(self, batch: CopyBatch) -> None:
         async with self._copying:  # one batch at a time, whichever replica sent it

@@ -14,13 +14,22 @@ from typing import Literal
 @dataclass(frozen=True)
 class StepRequest:
     """One request of a scheduling step. New requests carry their prompt's chained hashes (one per
-    complete hash block); a request already planned before continues its prefill without them."""
+    complete hash block); a request already planned before continues its prefill without them.
+
+    The two `stop_at_*` switches let the index cut the step short where a checkpoint is worth
+    keeping, which only it can know on a request's first step (the hit decides where it starts):
+    `stop_at_match` ends the step at the end of the request's MLA match when that lies beyond the
+    hit (a branch point: the next request sharing this prefix then hits at full depth), and
+    `stop_at_page_end` ends it at the next physical page end (a rung of the checkpoint ladder).
+    """
 
     rid: str
     compute_tokens: int
     prompt_tokens: int | None = None
     hashes: bytes | None = None
     checkpoint: bool = True
+    stop_at_match: bool = False
+    stop_at_page_end: bool = False
 
     @property
     def is_new(self) -> bool:
@@ -48,6 +57,7 @@ class RequestPlan:
     checkpoint_pages: list[int]
     checkpoint_tokens: int
     copies: list[PageCopy]
+    match_tokens: int = 0  # the MLA match found at lookup (>= hit_tokens; deeper when no checkpoint)
 
 
 @dataclass(frozen=True)
@@ -76,10 +86,13 @@ class StepRefusal:
 
 @dataclass(frozen=True)
 class CommitItem:
+    """`durable` keeps the checkpoint (turn ends, branch points, ladder rungs); otherwise it is an
+    intermediate one, recycled when the request's next checkpoint is registered."""
+
     rid: str
     stop: int
     checkpoint_tokens: int = 0
-    turn_end: bool = False
+    durable: bool = False
 
 
 @dataclass(frozen=True)

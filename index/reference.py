@@ -238,6 +238,7 @@ class ReferenceIndex:
                 depth = self._mla_match(item.hashes, usable)
                 if depth > 0:
                     p["hit"], p["ckpt"] = self._kda_match(item.hashes, depth)
+                p["match"] = depth * self.B
                 if p["hit"] > 0:
                     lead, fill = self.s.ep[self._h(item.hashes, p["hit"])]
                     p["anchor"] = lead
@@ -254,7 +255,13 @@ class ReferenceIndex:
                 need += self.kda
             else:
                 p["start"], p["tokens"], p["slots_have"] = r["pos"], r["tokens"], r["shared"] + len(r["own"])
+                p["match"] = r["mt"]
             p["stop"] = min(p["tokens"], p["start"] + item.compute_tokens)
+            if item.stop_at_match and p["match"] > p["start"]:
+                p["stop"] = min(p["stop"], p["match"])
+            if item.stop_at_page_end:
+                page_tokens = self.B * self.PB
+                p["stop"] = min(p["stop"], (p["start"] // page_tokens + 1) * page_tokens)
             p["new_slots"] = math.ceil(p["stop"] / (self.B * self.PB)) - p["slots_have"]
             p["want_ckpt"] = (item.checkpoint and self.kda > 0
                               and p["stop"] // self.B > p["start"] // self.B)
@@ -281,7 +288,8 @@ class ReferenceIndex:
     def _start_request(self, p: dict[str, Any], rid: str, copies: list[PageCopy]) -> dict[str, Any]:
         shared = p["slots_have"]
         hoff = max(shared * self.PB - 1, 0)
-        r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "pin": p["anchor"],
+        r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "mt": p["match"],
+             "pin": p["anchor"],
              "spath": p["shared"], "own": [], "shared": shared, "state": -1, "ck": -1,
              "reg": p["hit"], "inter": b"", "pend": [], "hoff": hoff, "tix": []}
         if self.kda > 0:
@@ -315,7 +323,8 @@ class ReferenceIndex:
         state = list(self.s.pages[r["state"]]["pages"]) if r["state"] >= 0 else []
         ckpt = list(self.s.pages[r["ck"]]["pages"]) if r["ck"] >= 0 else []
         ck_tokens = p["stop"] // self.B * self.B if p["want_ckpt"] else 0
-        return RequestPlan(rid, r["hit"], p["start"], p["stop"], mla, state, ckpt, ck_tokens, copies)
+        return RequestPlan(rid, r["hit"], p["start"], p["stop"], mla, state, ckpt, ck_tokens, copies,
+                           r["mt"])
 
     # -- commit.lua ---------------------------------------------------------------------------
     def commit(self, epoch: int, items: Sequence[CommitItem]) -> CommitResult:
@@ -346,7 +355,7 @@ class ReferenceIndex:
             state = "none"
             if item.checkpoint_tokens > 0:
                 state = self._register_checkpoint(item.rid, r, blob, item.checkpoint_tokens // self.B,
-                                                  int(item.turn_end), p, ticket, removed)
+                                                  int(item.durable), p, ticket, removed)
             elif r["ck"] >= 0:
                 self._free_set(self.s.pages[r["ck"]])
                 r["ck"] = -1
@@ -409,7 +418,7 @@ class ReferenceIndex:
         return count
 
     def _register_checkpoint(self, rid: str, r: dict[str, Any], blob: bytes, blocks: int,
-                             turn_end: int, p: dict[str, Any], ticket: int,
+                             durable: int, p: dict[str, Any], ticket: int,
                              removed: list[Removal]) -> str:
         h = self._h(blob, blocks)
         existing = self.s.ck.get(h)
@@ -421,7 +430,7 @@ class ReferenceIndex:
         ck_lead, r["ck"] = r["ck"], -1
         if existing is not None or e is None:
             self._free_set(self.s.pages[ck_lead])
-            if existing is not None and turn_end == 1:
+            if existing is not None and durable == 1:
                 rec = self.s.pages[existing]
                 if rec["dur"] == 0:
                     rec["dur"] = 1
@@ -431,13 +440,13 @@ class ReferenceIndex:
                     self._save_lead(rec["anchor"], anchor)
             return "duplicate" if existing is not None else "unanchored"
         rec = self.s.pages[ck_lead]
-        rec.update(st="pending", ref=0, owner="", h=h, anchor=e[0], dur=turn_end, lu=self.s.tick,
+        rec.update(st="pending", ref=0, owner="", h=h, anchor=e[0], dur=durable, lu=self.s.tick,
                    depth=blocks * self.B, tk=ticket)
         self._save_lead(ck_lead, rec)
         self.s.ck[h] = ck_lead
         anchor = self.s.pages[e[0]]
         anchor["cks"].append(h)
-        anchor["dur"] += turn_end
+        anchor["dur"] += durable
         self._save_lead(e[0], anchor)
         p["ck"], p["ckh"] = ck_lead, h
         if r["inter"]:
@@ -446,7 +455,7 @@ class ReferenceIndex:
                 orec = self.s.pages[old]
                 if orec["st"] == "ready" and orec["ref"] == 0 and orec["dur"] == 0:
                     self._drop_checkpoint(r["inter"], removed)
-        r["inter"] = b"" if turn_end == 1 else h
+        r["inter"] = b"" if durable == 1 else h
         return "registered"
 
     # -- confirm.lua --------------------------------------------------------------------------

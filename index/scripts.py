@@ -1,7 +1,8 @@
 """Loads the Lua scripts once and calls them by SHA.
 
-Each script is `lib.lua` followed by the script's own file, so the shared helpers are written once
-and every script stays self-contained on the server. redis-py's `AsyncScript` sends EVALSHA and
+Each script is `lib.lua` (and `match.lua` for the scripts in `USES_MATCH`) followed by the
+script's own file, so the shared helpers are written once and every script stays self-contained
+on the server. redis-py's `AsyncScript` sends EVALSHA and
 reloads the source on NOSCRIPT (after a server restart or SCRIPT FLUSH).
 """
 
@@ -17,13 +18,15 @@ from redis.exceptions import ResponseError
 from index.errors import from_reply
 
 SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evict",
-                "invalidate_pool")
+                "invalidate_pool", "probe", "pin_prefix")
+USES_MATCH = frozenset({"probe", "pin_prefix"})  # look a prompt up outside plan_step
 
 
 @cache
 def script_source(name: str) -> str:
     lua = resources.files("index") / "lua"
-    return (lua / "lib.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    parts = ["lib", *(["match"] if name in USES_MATCH else []), name]
+    return "\n".join((lua / f"{part}.lua").read_text() for part in parts)
 
 
 class Scripts:

@@ -18,6 +18,7 @@ from cachetier.config import Config
 from eviction.policy import EvictionWeights, lru
 from index.errors import StaleEpoch
 from index.hashing import hash_len
+from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, PageCopy,
                            ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal, StepRequest)
 from index.scripts import Scripts
@@ -82,7 +83,7 @@ class PrefixIndex:
     async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
         self._check_size(items)
         batch = [{"rid": i.rid, "stop": i.stop, "ckpt_tokens": i.checkpoint_tokens,
-                  "turn_end": int(i.turn_end)} for i in items]
+                  "durable": int(i.durable)} for i in items]
         reply = await self._call("commit", [_pack(batch)])
         return CommitResult(
             ticket=reply["ticket"],
@@ -113,6 +114,23 @@ class PrefixIndex:
     async def current_epoch(self) -> int:
         return int(await self.redis.hget(self.keys[0], "epoch") or 0)
 
+    async def probe(self, prompt_tokens: int, hashes: bytes) -> PrefixProbe:
+        """Read-only: what the pool could serve of the prompt now (no pin, no recency), for a
+        router choosing among pools."""
+        raw = await self._scripts.call("probe", self.keys, [prompt_tokens, bytes(hashes)])
+        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        block = self.config.cache.hash_block_tokens
+        return PrefixProbe(self.pool_id, reply["epoch"], reply["hit"] * block, reply["mla"] * block)
+
+    async def pin_prefix(self, reader: str, prompt_tokens: int, hashes: bytes) -> PinnedPrefix:
+        """Pin the prompt's longest usable prefix under `reader`, for another pool to copy;
+        `release([reader])` unpins it. A hit of 0 pins nothing."""
+        reply = await self._call("pin_prefix", [reader, prompt_tokens, bytes(hashes)])
+        groups = self.config.model.mla_groups
+        table = np.frombuffer(reply["mla"], dtype="<u4").reshape(-1, groups).T.tolist()
+        return PinnedPrefix(reader, reply["epoch"], reply["hit"] * self.config.cache.hash_block_tokens,
+                            table if reply["hit"] else [], list(_list(reply["ckpt"])))
+
     async def _call(self, name: str, args: list[Any]) -> dict[str, Any]:
         try:
             raw = await self._scripts.call(name, self.keys, [self.epoch, *args])
@@ -137,7 +155,8 @@ class PrefixIndex:
             raise ValueError(f"request id must be a non-empty string, got {r.rid!r}")
         if isinstance(r.compute_tokens, bool) or not isinstance(r.compute_tokens, int) or r.compute_tokens < 1:
             raise ValueError(f"{r.rid}: compute_tokens must be an integer >= 1")
-        item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint)}
+        item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint),
+                                "at_match": int(r.stop_at_match), "at_page": int(r.stop_at_page_end)}
         if r.is_new:
             blocks = (r.prompt_tokens or 0) // self.config.cache.hash_block_tokens
             if len(r.hashes) != blocks * self._hash_len:
@@ -196,4 +215,5 @@ def _request_plan(r: dict[str, Any], groups: int) -> RequestPlan:
         mla_pages=_page_table(r["shared"], _list(r["own"]), groups),
         state_pages=list(_list(r["state"])),
         checkpoint_pages=list(_list(r["ckpt"])), checkpoint_tokens=r["ckpt_tokens"],
-        copies=[PageCopy(*c) for c in _list(r["copies"])])
+        copies=[PageCopy(*c) for c in _list(r["copies"])], match_tokens=r["match"])
+

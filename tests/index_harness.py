@@ -107,12 +107,12 @@ def check_hit(bytes_: PageBytes, plan: RequestPlan, tokens: list[int], page_toke
                 f"{plan.rid}: copy-on-write source {c.src} holds the wrong prefix")
 
 
-def commit_item(plan: RequestPlan, stop: int, turn_end: bool = False, with_checkpoint: bool = True,
+def commit_item(plan: RequestPlan, stop: int, durable: bool = False, with_checkpoint: bool = True,
                 block: int = 4) -> CommitItem:
     ck = stop // block * block if with_checkpoint and plan.checkpoint_pages else 0
     if ck <= plan.start:
         ck = 0
-    return CommitItem(plan.rid, stop, ck, turn_end)
+    return CommitItem(plan.rid, stop, ck, durable)
 
 
 def only(plan: StepPlan) -> RequestPlan:

@@ -86,15 +86,15 @@ async def test_the_raw_plan_cases_are_valid_once_fixed(warm):
 
 
 COMMIT_CASES = {
-    "checkpoint off the hash block": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 6, "turn_end": 0}], BadRequest),
-    "checkpoint beyond stop": ([{"rid": "mid", "stop": 4, "ckpt_tokens": 8, "turn_end": 0}], BadRequest),
-    "stop beyond the plan": ([{"rid": "mid", "stop": 9, "ckpt_tokens": 0, "turn_end": 0}], BadRequest),
-    "stop not after start": ([{"rid": "mid", "stop": 0, "ckpt_tokens": 0, "turn_end": 0}], BadRequest),
-    "stop a string": ([{"rid": "mid", "stop": "8", "ckpt_tokens": 0, "turn_end": 0}], BadRequest),
-    "turn_end not 0/1": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 0, "turn_end": 7}], BadRequest),
-    "unknown request": ([{"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "turn_end": 0}], UnknownEntity),
-    "good then unknown": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8, "turn_end": 0},
-                           {"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "turn_end": 0}], UnknownEntity),
+    "checkpoint off the hash block": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 6, "durable": 0}], BadRequest),
+    "checkpoint beyond stop": ([{"rid": "mid", "stop": 4, "ckpt_tokens": 8, "durable": 0}], BadRequest),
+    "stop beyond the plan": ([{"rid": "mid", "stop": 9, "ckpt_tokens": 0, "durable": 0}], BadRequest),
+    "stop not after start": ([{"rid": "mid", "stop": 0, "ckpt_tokens": 0, "durable": 0}], BadRequest),
+    "stop a string": ([{"rid": "mid", "stop": "8", "ckpt_tokens": 0, "durable": 0}], BadRequest),
+    "durable not 0/1": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 0, "durable": 7}], BadRequest),
+    "unknown request": ([{"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "durable": 0}], UnknownEntity),
+    "good then unknown": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8, "durable": 0},
+                           {"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "durable": 0}], UnknownEntity),
 }
 
 

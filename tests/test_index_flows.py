@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cachetier.config import CacheSpec, Config, ModelSpec
@@ -20,7 +22,7 @@ async def make(redis, config: Config, pool: str = "p") -> Driver:
     return Driver(index, config)
 
 
-async def serve(d: Driver, rid: str, tokens: list[int], chunk: int, turn_end: bool = True,
+async def serve(d: Driver, rid: str, tokens: list[int], chunk: int, durable: bool = True,
                 block: int | None = None) -> list[StepPlan]:
     """Prefill a whole prompt in chunks the way an engine does: plan, confirm, forward, commit,
     confirm; then release. Returns the plans of each step."""
@@ -34,7 +36,7 @@ async def serve(d: Driver, rid: str, tokens: list[int], chunk: int, turn_end: bo
         await d.confirm(plan.ticket)
         r = only(plan)
         done = r.stop == len(tokens)
-        c = await d.commit([commit_item(r, r.stop, turn_end and done, True, block)])
+        c = await d.commit([commit_item(r, r.stop, durable and done, True, block)])
         await d.confirm(c.ticket)
         if done:
             break
@@ -186,3 +188,62 @@ async def test_scripts_reload_after_a_script_flush(redis):
     await redis.script_flush()
     probe = list(range(21))
     assert only(await d.plan([new_request("b", probe, 1, 4)], {"b": probe})).hit_tokens == 20
+
+
+async def test_branch_point_step_stops_at_the_mla_match_and_its_checkpoint_serves_the_next(redis):
+    """A hit limited by checkpoints (MLA matches further) is split at the MLA match end; the
+    durable checkpoint committed there lets the next request sharing that prefix hit at full depth.
+    Without the split, the same next request hits nothing."""
+    config = small_config()
+    d = await make(redis, config)
+    trunk = [50 + i for i in range(30)]
+    await serve(d, "a", trunk + [1] * 10, chunk=64)            # checkpoint at 40 only
+    b = trunk + [2] * 10
+    step = await d.plan([replace(new_request("b", b, 64, 4), stop_at_match=True)], {"b": b})
+    plan = only(step)
+    assert (plan.hit_tokens, plan.match_tokens, plan.stop, plan.checkpoint_tokens) == (0, 28, 28, 28)
+    await d.confirm(step.ticket)
+    await d.confirm((await d.commit([commit_item(plan, 28, durable=True)])).ticket)
+    step = await d.plan([StepRequest("b", 64, stop_at_match=True)], {})
+    rest = only(step)
+    assert (rest.start, rest.stop, rest.match_tokens) == (28, 40, 28)
+    await d.confirm(step.ticket)
+    await d.confirm((await d.commit([commit_item(rest, 40, durable=True)])).ticket)
+    await d.release(["b"])
+    c = trunk + [3] * 10
+    assert only(await d.plan([new_request("c", c, 64, 4)], {"c": c})).hit_tokens == 28
+    await check(d, config)
+
+
+async def test_without_the_branch_split_the_shared_prefix_is_not_restorable(redis):
+    config = small_config()
+    d = await make(redis, config)
+    trunk = [50 + i for i in range(30)]
+    await serve(d, "a", trunk + [1] * 10, chunk=64)
+    await serve(d, "b", trunk + [2] * 10, chunk=64)
+    c = trunk + [3] * 10
+    plan = only(await d.plan([new_request("c", c, 64, 4)], {"c": c}))
+    assert (plan.hit_tokens, plan.match_tokens) == (0, 28)
+    await check(d, config)
+
+
+async def test_page_end_stops_cut_every_step_at_the_next_page_end(redis):
+    config = small_config()                                     # 16-token pages
+    d = await make(redis, config)
+    tokens = list(range(200, 250))
+    step = replace(new_request("a", tokens, 40, 4), stop_at_page_end=True)
+    stops = []
+    while True:
+        planned = await d.plan([step], {"a": tokens})
+        r = only(planned)
+        stops.append(r.stop)
+        await d.confirm(planned.ticket)
+        await d.confirm((await d.commit([commit_item(r, r.stop, durable=True)])).ticket)
+        if r.stop == len(tokens):
+            break
+        step = StepRequest("a", 40, stop_at_page_end=True)
+    assert stops == [16, 32, 48, 50]
+    await d.release(["a"])
+    again = tokens[:40] + [9] * 5
+    assert only(await d.plan([new_request("b", again, 8, 4)], {"b": again})).hit_tokens == 32
+    await check(d, config)

@@ -11,8 +11,10 @@ hit's pages hold exactly the declared prefix.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -103,12 +105,16 @@ class IndexMachine(RuleBasedStateMachine):
             rid = f"r{self.serial}"
             toks = prompt(data.draw(st.integers(0, 2)), data.draw(st.integers(1, 70)),
                           data.draw(st.none() | st.integers(0, 69)), data.draw(st.integers(0, 1)))
-            requests.append(new_request(rid, toks, data.draw(st.integers(1, 40)), block,
-                                        data.draw(st.booleans())))
+            requests.append(replace(new_request(rid, toks, data.draw(st.integers(1, 40)), block,
+                                                data.draw(st.booleans())),
+                                    stop_at_match=data.draw(st.booleans()),
+                                    stop_at_page_end=data.draw(st.booleans())))
             tokens[rid] = toks
         for rid, state in sorted(self.status.items()):
             if state == "committed" and data.draw(st.booleans(), label=f"continue {rid}"):
-                requests.append(StepRequest(rid, data.draw(st.integers(1, 40))))
+                requests.append(StepRequest(rid, data.draw(st.integers(1, 40)),
+                                            stop_at_match=data.draw(st.booleans()),
+                                            stop_at_page_end=data.draw(st.booleans())))
         result = self.both("plan", requests, tokens)
         if isinstance(result, StepPlan):
             self.tickets.append(result.ticket)
@@ -116,14 +122,17 @@ class IndexMachine(RuleBasedStateMachine):
                 self.status[r.rid] = "planned"
 
     @rule(doc=st.integers(0, 2), length=st.integers(1, 70), branch=st.none() | st.integers(0, 69),
-          variant=st.integers(0, 1), chunk=st.integers(1, 40), keep=st.booleans())
-    def serve(self, doc, length, branch, variant, chunk, keep) -> None:
-        """A whole prefill the way an engine runs it, so later requests find a warm cache."""
+          variant=st.integers(0, 1), chunk=st.integers(1, 40), keep=st.booleans(),
+          at_match=st.booleans(), at_page=st.booleans())
+    def serve(self, doc, length, branch, variant, chunk, keep, at_match, at_page) -> None:
+        """A whole prefill the way an engine runs it, so later requests find a warm cache; with
+        `at_match`/`at_page` its steps stop at branch points and page ends, kept durable there."""
         self.serial += 1
         rid = f"s{self.serial}"
         toks = prompt(doc, length, branch, variant)
         block = self.config.cache.hash_block_tokens
-        step = new_request(rid, toks, chunk, block)
+        split = {"stop_at_match": at_match, "stop_at_page_end": at_page}
+        step = replace(new_request(rid, toks, chunk, block), **split)
         while True:
             plan = self.both("plan", [step], {rid: toks})
             if not isinstance(plan, StepPlan):
@@ -131,11 +140,12 @@ class IndexMachine(RuleBasedStateMachine):
             self.both("confirm", plan.ticket)
             (r,) = plan.requests
             ck = r.stop // block * block
-            item = CommitItem(rid, r.stop, ck if r.checkpoint_pages else 0, r.stop == length)
+            kept = r.stop == length or (at_match and r.stop == r.match_tokens)
+            item = CommitItem(rid, r.stop, ck if r.checkpoint_pages else 0, kept)
             self.both("confirm", self.both("commit", [item]).ticket)
             if r.stop == length:
                 break
-            step = StepRequest(rid, chunk)
+            step = StepRequest(rid, chunk, **split)
         if keep and isinstance(plan, StepPlan):
             self.status[rid] = "done" if r.stop == length else "committed"
         else:

@@ -176,7 +176,7 @@ async def serve_first_turns(index: PrefixIndex, blobs: Sequence[bytes], tokens: 
                     for n, rid in enumerate(rids, first)]
         plan = expect_plan(await index.plan_step(requests), 0, "first turn")
         await index.confirm(plan.ticket)
-        commit = await index.commit([CommitItem(rid, tokens, tokens, turn_end=True) for rid in rids])
+        commit = await index.commit([CommitItem(rid, tokens, tokens, durable=True) for rid in rids])
         unregistered = [r.rid for r in commit.requests if r.checkpoint != "registered"]
         if unregistered:
             raise RuntimeError(f"first turn: no checkpoint registered for {unregistered[:4]}")

@@ -188,7 +188,7 @@ async def serve_first_turns(tier: CacheTierClient, pool: str, rids: Sequence[str
         requests = [StepRequest(rids[n], tokens, tokens, prefix_hashes(blobs[n], tokens, config))
                     for n in chunk]
         plan = expect_plan(await tier.plan(pool, requests), 0, "first turn")
-        done = await tier.commit(pool, [CommitItem(r.rid, tokens, tokens, turn_end=True)
+        done = await tier.commit(pool, [CommitItem(r.rid, tokens, tokens, durable=True)
                                         for r in plan.requests])
         unregistered = [r.rid for r in done.requests if r.checkpoint != "registered"]
         if unregistered:

@@ -4,7 +4,7 @@
 -- ARGV[1] - epoch
 -- ARGV[2] - msgpack list of {rid = str, stop = tokens now processed (start < stop <= planned stop),
 --           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
---           (a multiple of the hash block inside (start, stop]) or 0, turn_end = 0|1}
+--           (a multiple of the hash block inside (start, stop]) or 0, durable = 0|1}
 -- returns msgpack {ticket, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
 --           `stored` is the chain of block hashes this commit processed (registered here or
 --           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
@@ -42,7 +42,7 @@ for n, item in ipairs(batch) do
     if c <= r.pos or c > item.stop then fail("BADINPUT", item.rid .. ": ckpt_tokens must lie in (" .. r.pos .. ", " .. item.stop .. "]") end
     if r.ck < 0 then fail("BADINPUT", item.rid .. ": no checkpoint pages were planned for this step") end
   end
-  if item.turn_end ~= 0 and item.turn_end ~= 1 then fail("BADINPUT", item.rid .. ": turn_end must be 0 or 1") end
+  if item.durable ~= 0 and item.durable ~= 1 then fail("BADINPUT", item.rid .. ": durable must be 0 or 1") end
   reqs[n] = r
 end
 
@@ -89,7 +89,7 @@ local function register_endpoints(rid, r, hash_at, upto, fills)
   return count
 end
 
-local function register_checkpoint(rid, r, hash_at, blocks, turn_end, p)
+local function register_checkpoint(rid, r, hash_at, blocks, durable, p)
   local h = hash_at(blocks)
   local existing = redis.call("HGET", K_CK, h)
   local e = get_ep(h)
@@ -98,7 +98,7 @@ local function register_checkpoint(rid, r, hash_at, blocks, turn_end, p)
   r.ck = -1
   if existing or e == nil then
     free_set(m, get_rec(ck_lead))
-    if existing and turn_end == 1 then
+    if existing and durable == 1 then
       local rec = get_rec(tonumber(existing))
       if rec.dur == 0 then
         rec.dur = 1
@@ -112,12 +112,12 @@ local function register_checkpoint(rid, r, hash_at, blocks, turn_end, p)
   end
   local rec = get_rec(ck_lead)
   rec.st, rec.ref, rec.owner, rec.h, rec.anchor = "pending", 0, "", h, e[1]
-  rec.dur, rec.lu, rec.depth, rec.tk = turn_end, m.tick, blocks * B, ticket
+  rec.dur, rec.lu, rec.depth, rec.tk = durable, m.tick, blocks * B, ticket
   save_lead(m, ck_lead, rec)
   redis.call("HSET", K_CK, h, ck_lead)
   local anchor = get_rec(e[1])
   anchor.cks[#anchor.cks + 1] = h
-  anchor.dur = anchor.dur + turn_end
+  anchor.dur = anchor.dur + durable
   save_lead(m, e[1], anchor)
   p.ck, p.ckh = ck_lead, h
   -- Recycle this request's previous intermediate checkpoint: progress made it obsolete.
@@ -128,7 +128,7 @@ local function register_checkpoint(rid, r, hash_at, blocks, turn_end, p)
       if orec.st == "ready" and orec.ref == 0 and orec.dur == 0 then drop_checkpoint(m, r.inter, removed) end
     end
   end
-  if turn_end == 1 then r.inter = "" else r.inter = h end
+  if durable == 1 then r.inter = "" else r.inter = h end
   return "registered"
 end
 
@@ -155,7 +155,7 @@ for n, item in ipairs(batch) do
   local parent = first > 0 and hash_at(first) or ""
   local ck_state = "none"
   if item.ckpt_tokens > 0 then
-    ck_state = register_checkpoint(item.rid, r, hash_at, item.ckpt_tokens / B, item.turn_end, p)
+    ck_state = register_checkpoint(item.rid, r, hash_at, item.ckpt_tokens / B, item.durable, p)
   elseif r.ck >= 0 then
     free_set(m, get_rec(r.ck))
     r.ck = -1

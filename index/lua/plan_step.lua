@@ -3,13 +3,16 @@
 -- KEYS    - the pool's keys, see lib.lua
 -- ARGV[1] - epoch the caller planned against
 -- ARGV[2] - msgpack list of requests: {rid = str, compute = tokens to compute this step,
---           ckpt = 0|1 (persist a checkpoint when crossing a hash block), and for a new request
+--           ckpt = 0|1 (persist a checkpoint when crossing a hash block), at_match = 0|1 (default 0: end the
+--           step at the request's MLA match when that lies beyond its start: a branch point),
+--           at_page = 0|1 (default 0: end the step at the next page end: a ladder rung), and for a new request
 --           tokens = prompt length, hashes = n: ARGV[2 + n] holds the chained hashes of every
 --           complete hash block}. An active request id continues its prefill; an unknown one is
 --           looked up.
 -- ARGV[3..] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
--- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, start, stop, shared, own, state,
---           ckpt, ckpt_tokens, copies}}, evicted, removed} where `shared` is the packed page table
+-- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, match, start, stop, shared, own,
+--           state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
+--           at lookup, in tokens) where `shared` is the packed page table
 --           of the slots served from the cache and `own` the request's page sets after them; or
 --           {ok = 0, reason, need, available}
 --
@@ -66,7 +69,10 @@ local function check_request(item, seen)
   if seen[item.rid] then fail("BADINPUT", "request " .. item.rid .. " appears twice in the step") end
   seen[item.rid] = true
   if not is_int(item.compute, 1) then fail("BADINPUT", item.rid .. ": compute must be an integer >= 1") end
-  if item.ckpt ~= 0 and item.ckpt ~= 1 then fail("BADINPUT", item.rid .. ": ckpt must be 0 or 1") end
+  item.at_match, item.at_page = item.at_match or 0, item.at_page or 0
+  for _, flag in ipairs({"ckpt", "at_match", "at_page"}) do
+    if item[flag] ~= 0 and item[flag] ~= 1 then fail("BADINPUT", item.rid .. ": " .. flag .. " must be 0 or 1") end
+  end
   local r = get_req(item.rid)
   if r then
     if r.stop ~= r.pos then fail("BADINPUT", item.rid .. ": previous step not committed") end
@@ -102,15 +108,18 @@ for n, item in ipairs(batch) do
     local usable = math.min(#blob / HL, math.floor((item.tokens - 1) / B))
     local depth = mla_match(blob, usable)
     if depth > 0 then p.hit, p.ckpt = kda_match(blob, depth) end
+    p.match = depth * B
     if p.hit > 0 then hit_pages(p, get_ep(block_hash(blob, HL, p.hit))) end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
     if p.anchor >= 0 and redis.call("ZSCORE", K_LRU, p.anchor) then pinned_in_lru[p.anchor] = m.mla_groups end
     if p.ckpt >= 0 and redis.call("ZSCORE", K_LRU, p.ckpt) then pinned_in_lru[p.ckpt] = m.kda_groups end
     need = need + m.kda_groups
   else
-    p.start, p.tokens, p.slots_have = r.pos, r.tokens, r.shared + #r.own
+    p.start, p.tokens, p.slots_have, p.match = r.pos, r.tokens, r.shared + #r.own, r.mt
   end
   p.stop = math.min(p.tokens, p.start + item.compute)
+  if item.at_match == 1 and p.match > p.start then p.stop = math.min(p.stop, p.match) end
+  if item.at_page == 1 then p.stop = math.min(p.stop, (math.floor(p.start / PT) + 1) * PT) end
   p.new_slots = math.ceil(p.stop / PT) - p.slots_have
   p.want_ckpt = item.ckpt == 1 and m.kda_groups > 0 and math.floor(p.stop / B) > math.floor(p.start / B)
   need = need + p.new_slots * m.mla_groups
@@ -143,7 +152,7 @@ end
 local function start_request(p, rid, copies)
   local shared = p.slots_have
   local hoff = math.max(shared * PB - 1, 0)
-  local r = {tokens = p.tokens, pos = p.start, hit = p.start, pin = p.anchor, spath = p.shared,
+  local r = {tokens = p.tokens, pos = p.start, hit = p.start, mt = p.match, pin = p.anchor, spath = p.shared,
              own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, inter = "", pend = {},
              hoff = hoff, tix = {}}
   if m.kda_groups > 0 then
@@ -189,7 +198,7 @@ for n, p in ipairs(plans) do
   for i, lead in ipairs(r.own) do own[i] = page_set(lead) end
   if r.state >= 0 then state = get_rec(r.state).pages end
   if r.ck >= 0 then ckpt = get_rec(r.ck).pages end
-  out[n] = {rid = rid, hit = r.hit, start = p.start, stop = p.stop, shared = r.spath, own = own,
+  out[n] = {rid = rid, hit = r.hit, match = r.mt, start = p.start, stop = p.stop, shared = r.spath, own = own,
             state = state, ckpt = ckpt, ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0,
             copies = copies}
 end

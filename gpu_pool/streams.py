@@ -1,0 +1,126 @@
+"""Which byte streams one destination rank pulls from which source rank to receive a set of pages.
+
+The unit of transfer is one (page, layer slot, head range) byte stream. A KDA page of a source rank
+of TP degree `s` holds heads `[r*H/s, (r+1)*H/s)` head by head; the heads it shares with a
+destination rank of degree `d` are one contiguous run on both sides, so each (page, slot, source
+rank, destination rank) is one stream, read at the run's offset in the source layout and written
+at its offset in the destination layout: the re-sharding is the choice of offsets, nothing is
+reshuffled afterwards. An MLA page (the latent is replicated on every rank) is one stream per slot,
+pulled by every destination rank from one source rank (spread over the source ranks).
+
+Both pools must hold the same model up to the TP degree: same heads, head shapes and dtypes, same
+tokens per page. Everything is checked here, before a byte moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpu_pool.layout import ByteRange, PageKind, PageLayout
+
+
+KIND_NAMES = {"kda": PageKind.KDA, "mla": PageKind.MLA}
+
+
+@dataclass(frozen=True)
+class PageMove:
+    """Page `src` of the source pool lands in page `dst` of the destination pool. `nbytes` limits
+    an MLA page to its first bytes (a filled token prefix); 0 means the whole page."""
+
+    src: int
+    dst: int
+    kind: PageKind
+    nbytes: int = 0
+
+    @classmethod
+    def parse(cls, src: int, dst: int, kind: str, nbytes: int) -> PageMove:
+        """A move from its wire row (`protocol.Fetch.moves`)."""
+        if kind not in KIND_NAMES:
+            raise ValueError(f"page {src}: unknown page kind {kind!r}; expected one of "
+                             f"{sorted(KIND_NAMES)}")
+        return cls(src, dst, KIND_NAMES[kind], nbytes)
+
+    def row(self) -> tuple[int, int, str, int]:
+        return (self.src, self.dst, self.kind.name.lower(), self.nbytes)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """`nbytes` at `src_offset` of layer slot `slot` of source page `src_page`, to be written at
+    `dst_offset` of the same slot of destination page `dst_page`."""
+
+    src_page: int
+    slot: int
+    src_offset: int
+    nbytes: int
+    dst_page: int
+    dst_offset: int
+
+    def dst_range(self, layout: PageLayout) -> ByteRange:
+        return layout.buffer_range(self.dst_page, self.slot, ByteRange(self.dst_offset, self.nbytes))
+
+    def src_range(self, layout: PageLayout) -> ByteRange:
+        return layout.buffer_range(self.src_page, self.slot, ByteRange(self.src_offset, self.nbytes))
+
+
+def check_compatible(src: PageLayout, dst: PageLayout) -> None:
+    """Refuse pools whose pages do not describe the same model state."""
+    same_model = dataclasses.replace(src.model, tp_degree=dst.model.tp_degree) == dst.model
+    if not same_model or src.cache.page_tokens != dst.cache.page_tokens:
+        raise ValueError(f"pools of different models cannot exchange pages: {src.model} with "
+                         f"{src.cache.page_tokens}-token pages vs {dst.model} with "
+                         f"{dst.cache.page_tokens}-token pages")
+
+
+def plan_fetch(src: PageLayout, dst: PageLayout, dst_rank: int,
+               moves: Iterable[PageMove]) -> dict[int, list[Stream]]:
+    """The streams destination rank `dst_rank` pulls, by source rank (ranks with none are left
+    out). Raises `ValueError` naming the first move that does not fit either layout."""
+    check_compatible(src, dst)
+    dst_heads = dst.rank_heads(dst_rank)
+    src_tp = src.model.tp_degree
+    shared = [(rank, _overlap(src.rank_heads(rank), dst_heads)) for rank in range(src_tp)]
+    by_rank: dict[int, list[Stream]] = {}
+    for move in moves:
+        src.check_page(move.src)
+        dst.check_page(move.dst)
+        if move.kind is PageKind.KDA:
+            for rank, heads in shared:
+                if heads:
+                    by_rank.setdefault(rank, []).extend(_kda_streams(src, rank, dst, dst_rank,
+                                                                     move, heads))
+        elif move.kind is PageKind.MLA:
+            by_rank.setdefault(dst_rank % src_tp, []).extend(_mla_streams(src, move))
+        else:
+            raise ValueError(f"page {move.src}: cannot transfer a page of kind {move.kind!r}")
+    return by_rank
+
+
+def _overlap(a: range, b: range) -> range:
+    start = max(a.start, b.start)
+    return range(start, max(start, min(a.stop, b.stop)))
+
+
+def _kda_streams(src: PageLayout, src_rank: int, dst: PageLayout, dst_rank: int, move: PageMove,
+                 heads: range) -> list[Stream]:
+    if not src.model.kda_groups:
+        raise ValueError(f"page {move.src}: model {src.model.name!r} has no KDA pages")
+    if move.nbytes:
+        raise ValueError(f"page {move.src}: a KDA page moves whole (nbytes must be 0)")
+    src_offset = src.kda_head_range(heads.start, src_rank).offset
+    dst_offset = dst.kda_head_range(heads.start, dst_rank).offset
+    nbytes = len(heads) * src.head_bytes
+    return [Stream(move.src, slot, src_offset, nbytes, move.dst, dst_offset)
+            for slot in range(src.layer_slots)]
+
+
+def _mla_streams(src: PageLayout, move: PageMove) -> list[Stream]:
+    whole = src.geometry.mla_page_bytes
+    nbytes = move.nbytes or whole
+    token = src.model.mla_token_bytes
+    if not 0 < nbytes <= whole or nbytes % token:
+        raise ValueError(f"page {move.src}: an MLA prefix of {nbytes} bytes is not a whole number "
+                         f"of {token}-byte tokens within the {whole}-byte page")
+    return [Stream(move.src, slot, 0, nbytes, move.dst, 0) for slot in range(src.layer_slots)]

@@ -1,0 +1,60 @@
+-- match.lua - the two-stage lookup of DESIGN.md, read-only; the loader prepends it (after lib.lua)
+-- to the scripts that look a prompt up without planning a step (probe, pin_prefix). plan_step.lua
+-- carries the same lookup inline.
+
+-- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
+-- endpoints inside the first missing page. Returns the deepest matchable block count.
+local function match_mla(m, blob, usable)
+  local PB, HL = m.blocks_per_page, m.hash_len
+  local lo, hi = 0, math.floor(usable / PB)
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if matchable(block_hash(blob, HL, mid * PB)) then lo = mid else hi = mid - 1 end
+  end
+  for f = math.min(PB - 1, usable - lo * PB), 1, -1 do
+    if matchable(block_hash(blob, HL, lo * PB + f)) then return lo * PB + f end
+  end
+  return lo * PB
+end
+
+-- Stage 2: the deepest boundary <= depth with a ready checkpoint in every KDA group (one record
+-- holds them all), probing one page's worth of boundaries per HMGET, deepest page first.
+-- Returns the boundary in blocks and the checkpoint's lead page (-1 without KDA groups).
+local function match_kda(m, blob, depth)
+  if m.kda_groups == 0 then return depth, -1 end
+  local PB, HL = m.blocks_per_page, m.hash_len
+  local slot = math.floor((depth - 1) / PB)
+  while slot >= 0 do
+    local first, last = slot * PB + 1, math.min(depth, (slot + 1) * PB)
+    local fields = {}
+    for i = last, first, -1 do fields[#fields + 1] = block_hash(blob, HL, i) end
+    local leads = redis.call("HMGET", K_CK, unpack(fields))
+    for j, lead in ipairs(leads) do
+      if lead then
+        local rec = get_rec(tonumber(lead))
+        if rec.st == "ready" and matchable(fields[j]) then return last - j + 1, tonumber(lead) end
+      end
+    end
+    slot = slot - 1
+  end
+  return 0, -1
+end
+
+-- Validates a prompt (length, one hash per complete block) before any lookup.
+local function check_prompt(m, tokens, blob)
+  if not is_int(tokens, 1, 1099511627776) then fail("BADINPUT", "tokens must be an integer >= 1") end
+  if #blob ~= math.floor(tokens / m.block_tokens) * m.hash_len then
+    fail("BADINPUT", "hashes must hold one " .. m.hash_len .. "-byte hash per complete " ..
+         m.block_tokens .. "-token block")
+  end
+end
+
+-- The longest usable prefix of a prompt: MLA depth and hit (both in blocks; the last token is
+-- always left to compute) and the checkpoint lead of the hit (-1 if none).
+local function match_prefix(m, tokens, blob)
+  local usable = math.min(#blob / m.hash_len, math.floor((tokens - 1) / m.block_tokens))
+  local depth = match_mla(m, blob, usable)
+  if depth == 0 then return 0, 0, -1 end
+  local hit, ck = match_kda(m, blob, depth)
+  return depth, hit, ck
+end

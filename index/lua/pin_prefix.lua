@@ -1,0 +1,41 @@
+-- pin_prefix.lua - pin the longest usable prefix of a prompt, so another pool can copy its pages.
+--
+-- KEYS    - the pool's keys, see lib.lua
+-- ARGV[1] - epoch the caller holds
+-- ARGV[2] - reader id: names the pins (a request id that must not be in use)
+-- ARGV[3] - prompt length in tokens
+-- ARGV[4] - the chained hashes of its complete hash blocks
+-- returns msgpack {epoch, hit = blocks, mla = packed page sets of the hit's MLA slots (uint32 per
+--           page, slot-major, the last slot holding hit - (slots - 1) * blocks_per_page blocks),
+--           ckpt = the checkpoint's KDA page set ({} without KDA groups or without a hit)}
+--
+-- The pins are held by a request record under the reader id, shaped like a request whose prompt
+-- ends at the hit (so plan_step refuses to continue it): `release(reader)` drops them (anchor and checkpoint) like any request's, and
+-- an invalidation voids them with the epoch. Pinning the anchor protects its ancestors (eviction
+-- is leaf-first), so the whole page table stays readable until the release. No hit: no record.
+
+local m = load_meta(ARGV[1])
+local rid, tokens, blob = ARGV[2], tonumber(ARGV[3]), ARGV[4] or ""
+if rid == nil or #rid == 0 then fail("BADINPUT", "the reader id must be a non-empty string") end
+check_prompt(m, tokens, blob)
+if get_req(rid) then fail("BADINPUT", "request " .. rid .. " already exists") end
+local _, hit, ck = match_prefix(m, tokens, blob)
+if hit == 0 then return reply({epoch = m.epoch, hit = 0, mla = "", ckpt = {}}) end
+
+local e = get_ep(block_hash(blob, m.hash_len, hit))
+local anchor = get_rec(e[1])
+local mla = (redis.call("HGET", K_PATH, e[1]) or "") .. pack_ids(anchor.pages)
+m.tick = m.tick + 1
+pin(m, e[1])
+local ckpt, pend = {}, {}
+if ck >= 0 then
+  pin(m, ck)
+  ckpt = get_rec(ck).pages
+  pend[1] = {t = 0, unpin = ck, fills = {}, ck = -1, ckh = ""}
+end
+local pos = hit * m.block_tokens
+put_req(rid, {tokens = pos, pos = pos, stop = pos, hit = pos, pin = e[1], spath = "", own = {},
+              shared = 0, state = -1, ck = -1, reg = hit, inter = "", pend = pend, hoff = 0,
+              tix = {}})
+save_meta(m)
+return reply({epoch = m.epoch, hit = hit, mla = mla, ckpt = ckpt})

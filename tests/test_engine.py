@@ -1,0 +1,165 @@
+"""The oracle: sessions served through the real service, agent and pool by `PrefillScheduler` with
+the tiny hybrid model; every output computed after a hit must equal a cold recompute.
+
+In-process service and agent (asyncio tasks) on a real redis-server, for speed; `cachetier demo`
+runs the same engine across processes (tests/test_cluster.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachetier.checkpoint_policy import BRANCH, POLICIES, SEED, CheckpointPolicy
+from cachetier.client import CacheTierClient
+from cachetier.config import PRESETS, Config
+from cachetier.engine import PrefillScheduler, RequestResult
+from cachetier.sessions import Session, SessionSpec, make_sessions
+from gpu_pool import PagedPool
+from index.records import RequestPlan
+from index.snapshot import read_pool, sanity_check
+from index.store import pool_keys
+from tests.test_service import TOKEN, running_agent, running_service
+from tinymodel import TinyHybrid
+
+TINY = PRESETS["tiny"]
+MODEL = TinyHybrid(TINY.model)
+SMALL = SessionSpec(sessions=3, turns=2, system_prompts=2, tool_sets=1, system_tokens=(10, 40),
+                    tool_tokens=(5, 20), message_tokens=(3, 15), tool_output_tokens=(5, 30),
+                    reply_tokens=(3, 10), fork_fraction=0.4, think_steps=(0, 2))
+_pools = itertools.count()
+
+
+@dataclass
+class Served:
+    results: list[RequestResult]
+    scheduler: PrefillScheduler
+    pool: PagedPool
+
+
+@contextlib.asynccontextmanager
+async def tier_for(redis_url: str, num_pages: int) -> AsyncIterator[tuple[CacheTierClient, str,
+                                                                          PagedPool, Config]]:
+    """A service, one agent and a client on a fresh pool of `num_pages` pages."""
+    config = replace(TINY, cache=replace(TINY.cache, num_pages=num_pages))
+    pool_id = f"e{next(_pools)}"
+    async with (running_service(redis_url, config) as service,
+                running_agent(service.url, pool=pool_id) as agent,
+                CacheTierClient(service.url, token=TOKEN, timeout=30) as tier):
+        yield tier, pool_id, PagedPool.attach(agent.handle()), config
+
+
+async def serve(tier: CacheTierClient, pool_id: str, pool: PagedPool, config: Config,
+                sessions: list[Session], policy: CheckpointPolicy = BRANCH,
+                chunk: int = 24) -> Served:
+    scheduler = PrefillScheduler(tier, pool_id, config, policy, MODEL, pool, chunk_tokens=chunk,
+                                 max_batch=4)
+    return Served(await scheduler.run(sessions), scheduler, pool)
+
+
+async def check_pool(redis, pool_id: str, config: Config) -> None:
+    state = await read_pool(redis, pool_keys(pool_id))
+    sanity_check(state, config.cache.num_pages, config.cache.blocks_per_page)
+    assert not state.req, "a finished request was left in the index"
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), chunk=st.integers(5, 70),
+       policy=st.sampled_from(sorted(POLICIES)), pages=st.sampled_from([40, 256]))
+async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url, seed, chunk,
+                                                                 policy, pages):
+    """Random agentic workloads: shared system prompts, forks part-way through a turn, multi-turn
+    sessions interleaved within steps, chunk sizes unrelated to the 16-token hash block, and a
+    40-page pool where eviction runs all the time."""
+    sessions = make_sessions(replace(SMALL, seed=seed))
+    async with tier_for(redis_url, pages) as (tier, pool_id, pool, config):
+        served = await serve(tier, pool_id, pool, config, sessions, POLICIES[policy], chunk)
+    bad = [r for r in served.results if not r.verified]
+    assert not bad, f"outputs differ from recompute: {bad}"
+    assert len(served.results) == sum(len(s.prompts) for s in sessions)
+    later = [r for r in served.results if r.turn > 0]
+    if pages == 256:  # no eviction: every later turn resumes at least at its previous turn end
+        assert all(r.hit_tokens > 0 for r in later if r.prompt_tokens > 2 * 16)
+    await check_pool(redis, pool_id, config)
+
+
+async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redis_url):
+    """The check can fail: one byte range of the checkpoint a later turn restores is scribbled."""
+    first = [0, *range(1000, 1100)]
+    follow_up = first + list(range(5000, 5040))
+    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+        await serve(tier, pool_id, pool, config, [Session("a", [first], [0])])
+        state = await read_pool(redis, pool_keys(pool_id))
+        (lead,) = state.ck.values()
+        page = state.pages[lead]["pages"][1]              # the second KDA group's page
+        pool.buffer[0, page, 100:140] += 1                # 40 bytes of one layer's state
+        served = await serve(tier, pool_id, pool, config, [Session("b", [follow_up], [0])])
+    (result,) = served.results
+    assert result.hit_tokens == len(first) // 16 * 16
+    assert result.verified is False and result.max_abs_error > 0
+
+
+async def test_an_untouched_pool_gives_the_same_turn_a_clean_verdict(redis, redis_url):
+    """The control of the test above: same prompts, no scribble, no mismatch."""
+    first = [0, *range(1000, 1100)]
+    follow_up = first + list(range(5000, 5040))
+    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+        await serve(tier, pool_id, pool, config, [Session("a", [first], [0])])
+        served = await serve(tier, pool_id, pool, config, [Session("b", [follow_up], [0])])
+    (result,) = served.results
+    assert result.hit_tokens == len(first) // 16 * 16 and result.verified is True
+
+
+async def test_checkpoints_stay_sparse_one_per_turn_plus_branch_points(redis, redis_url):
+    spec = SessionSpec(sessions=4, turns=3, fork_fraction=0.0, system_tokens=(40, 80),
+                       tool_tokens=(20, 40), message_tokens=(10, 30), tool_output_tokens=(20, 60),
+                       reply_tokens=(5, 15))
+    sessions = make_sessions(spec)
+    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+        served = await serve(tier, pool_id, pool, config, sessions, BRANCH, chunk=16)
+        state = await read_pool(redis, pool_keys(pool_id))
+    assert all(r.verified for r in served.results)
+    turns = sum(len(s.prompts) for s in sessions)
+    branch_points = sum(r.hit_tokens < r.match_tokens for r in served.results)
+    blocks = sum(r.prompt_tokens // 16 for r in served.results)
+    # a 16-token chunk crosses a hash block every step: without recycling there would be one
+    # checkpoint per block
+    assert len(state.ck) <= turns + branch_points
+    assert len(state.ck) * 4 < blocks
+
+
+async def test_a_branch_point_checkpoint_serves_the_next_session_at_full_depth(redis, redis_url):
+    """Three sessions share a 70-token prefix that no turn ends on. With `seed` the third still
+    finds no checkpoint inside it; with `branch` the second one leaves one at the MLA match end
+    (64 tokens) and the third hits there."""
+    shared = list(range(300, 370))
+    prompts = [shared + list(range(n * 100, n * 100 + 30)) for n in (10, 20, 30)]
+    hits = {}
+    for policy in (SEED, BRANCH):
+        async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+            results = []
+            for n, prompt in enumerate(prompts):
+                served = await serve(tier, pool_id, pool, config, [Session(f"s{n}", [prompt], [0])],
+                                     policy, chunk=32)
+                results += served.results
+        assert all(r.verified for r in results)
+        hits[policy.name] = [r.hit_tokens for r in results]
+    assert hits == {"seed": [0, 0, 0], "branch": [0, 0, 64]}
+
+
+@pytest.mark.parametrize("policy,stop,expected", [
+    (SEED, 48, False), (SEED, 96, True), (BRANCH, 64, True), (POLICIES["ladder"], 128, True),
+    (POLICIES["ladder"], 112, False)])
+def test_commit_items_keep_turn_ends_branch_points_and_ladder_rungs(policy, stop, expected):
+    plan = RequestPlan("r", hit_tokens=16, start=stop - 16, stop=stop, mla_pages=[[]],
+                       state_pages=[], checkpoint_pages=[1, 2, 3], checkpoint_tokens=stop,
+                       copies=[], match_tokens=64)
+    item = policy.commit_item(plan, prompt_tokens=100, block_tokens=16, page_tokens=64)
+    assert (item.stop, item.checkpoint_tokens, item.durable) == (stop, stop, expected)

@@ -1,0 +1,134 @@
+"""A prefix cached in a TP=2 prefill pool handed to a TP=1 decode pool through the service.
+
+Real service, real agents (in-process), real redis-server. The prefill "forward pass" writes
+token ids as MLA latents on every rank and each rank's heads of a known checkpoint state; after
+the hand-off, a request planned on the decode pool hits there and the decode agent's pages hold
+exactly those latents and the whole state (all heads, re-sharded on the way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+
+import pytest
+import torch
+
+from cachetier.client import CacheTierClient
+from cachetier.config import CacheSpec, Config, ModelSpec
+from cachetier.errors import RemoteError
+from gpu_pool import PagedPool
+from cachetier.framing import encode_frame
+from cachetier.protocol import ok_frame
+from cachetier.sockio import read_frame, send_buffers
+from gpu_pool.transfer import STREAM_HEADER, PageServer, StreamsAccepted
+from index.hashing import chain_hashes
+from index.records import RequestPlan, StepPlan
+from index.snapshot import read_pool, sanity_check
+from index.store import pool_keys
+from tests.index_harness import ROOT, commit_item, new_request
+from tests.test_service import TOKEN, running_agent, running_service
+
+MODEL = ModelSpec(kda_heads=8, kda_head_k_dim=4, kda_head_v_dim=8, mla_latent_dim=4)
+CACHE = CacheSpec(hash_block_tokens=4, page_tokens=16, page_alignment=64, num_pages=64)
+PREFILL = Config(dataclasses.replace(MODEL, tp_degree=2), CACHE)
+DECODE = Config(MODEL, CACHE)
+BLOCK, PAGE = CACHE.hash_block_tokens, CACHE.page_tokens
+DOC = [5 + (3 * i) % 97 for i in range(60)]
+STATE = torch.randn(MODEL.kda_groups, MODEL.layers_per_group, MODEL.kda_heads,
+                    MODEL.kda_head_k_dim, MODEL.kda_head_v_dim,
+                    generator=torch.Generator().manual_seed(0))
+
+
+@contextlib.asynccontextmanager
+async def cluster(redis_url: str, **agent_overrides):
+    async with running_service(redis_url, config=PREFILL, pool_configs={"decode": DECODE}) as svc:
+        async with contextlib.AsyncExitStack() as stack:
+            prefill = [await stack.enter_async_context(running_agent(
+                svc.url, pool="prefill", rank=r, tp_degree=2, **agent_overrides)) for r in range(2)]
+            decode = await stack.enter_async_context(running_agent(svc.url, pool="decode"))
+            tier = await stack.enter_async_context(CacheTierClient(svc.url, token=TOKEN, timeout=10))
+            yield tier, prefill, decode
+
+
+def forward(views: list[PagedPool], plan: RequestPlan, tokens: list[int]) -> None:
+    """What the prefill ranks' forward pass leaves: latents on every rank, each rank's heads."""
+    for rank, view in enumerate(views):
+        for pos in range(plan.start, plan.stop):
+            view.mla_view(plan.mla_pages[0][pos // PAGE])[:, pos % PAGE] = float(tokens[pos])
+        heads = view.layout.rank_heads(rank)
+        for group, page in enumerate(plan.checkpoint_pages):
+            view.kda_view(page).copy_(STATE[group, :, heads.start:heads.stop])
+
+
+async def prefill(tier: CacheTierClient, views: list[PagedPool], tokens: list[int]) -> None:
+    step = await tier.plan("prefill", [new_request("p", tokens, len(tokens), BLOCK)])
+    assert isinstance(step, StepPlan)
+    (plan,) = step.requests
+    forward(views, plan, tokens)
+    done = await tier.commit("prefill", [commit_item(plan, plan.stop, True, True, BLOCK)])
+    await tier.confirm("prefill", done.ticket)
+    await tier.release("prefill", ["p"])
+
+
+async def no_pins(redis, pool: str, config: Config) -> None:
+    state = await read_pool(redis, pool_keys(pool))
+    sanity_check(state, config.cache.num_pages, config.cache.blocks_per_page)
+    assert state.req == {} and state.tix == {}
+    assert all(rec.get("ref", 0) == 0 for rec in state.pages.values())
+
+
+async def test_a_prefill_prefix_lands_in_the_decode_pool_resharded(redis, redis_url):
+    tokens = DOC[:42]                                              # checkpoint at 40: 2.5 pages
+    hashes = chain_hashes(tokens, ROOT, BLOCK)
+    async with cluster(redis_url) as (tier, prefill_agents, decode_agent):
+        views = [PagedPool.attach(a.handle()) for a in prefill_agents]
+        await prefill(tier, views, tokens)
+        probes = await tier.route(["decode", "prefill"], len(tokens), hashes)
+        assert [(p.pool, p.hit_tokens) for p in probes] == [("prefill", 40), ("decode", 0)]
+        moved = await tier.handoff("prefill", "decode", len(tokens), hashes)
+        assert (moved.hit_tokens, moved.moved_tokens, moved.cached_tokens) == (40, 40, 40)
+        again = await tier.handoff("prefill", "decode", len(tokens), hashes)
+        assert (again.moved_tokens, again.cached_tokens) == (0, 40)   # held already: no copy
+        probes = await tier.route(["prefill", "decode"], len(tokens), hashes)
+        assert sorted((p.pool, p.hit_tokens) for p in probes) == [("decode", 40), ("prefill", 40)]
+        step = await tier.plan("decode", [new_request("d", tokens, 2, BLOCK)])
+        (plan,) = step.requests
+        assert plan.hit_tokens == 40
+        view = PagedPool.attach(decode_agent.handle())
+        for group, page in enumerate(plan.state_pages):              # the restore copy ran
+            assert torch.equal(view.kda_view(page), STATE[group])
+        for pos in range(40):
+            row = view.mla_view(plan.mla_pages[0][pos // PAGE])[:, pos % PAGE]
+            assert bool((row == float(tokens[pos])).all()), pos
+        await tier.release("decode", ["d"])
+        await no_pins(redis, "prefill", PREFILL)
+        await no_pins(redis, "decode", DECODE)
+
+
+async def dying_source(self: PageServer, conn: socket.socket) -> None:
+    """A page server that accepts, sends half of the first stream and dies."""
+    frame = await read_frame(conn, 2**20)
+    streams = frame["streams"]
+    _, slot, _, nbytes, page, offset = streams[0]
+    accepted = StreamsAccepted(len(streams), sum(row[3] for row in streams))
+    await send_buffers(conn, [encode_frame(ok_frame(frame["id"], accepted)),
+                              STREAM_HEADER.pack(page, slot, offset, nbytes), bytes(nbytes // 2)])
+
+
+async def test_a_source_dying_mid_stream_fails_retryably_and_leaves_nothing(redis, redis_url,
+                                                                           monkeypatch):
+    tokens = DOC[:42]
+    hashes = chain_hashes(tokens, ROOT, BLOCK)
+    monkeypatch.setattr(PageServer, "_serve", dying_source)   # every agent's page server
+    async with cluster(redis_url) as (tier, prefill_agents, decode_agent):
+        views = [PagedPool.attach(a.handle()) for a in prefill_agents]
+        await prefill(tier, views, tokens)
+        with pytest.raises(RemoteError) as err:
+            await tier.handoff("prefill", "decode", len(tokens), hashes)
+        assert err.value.retryable and "transfer_failed" in str(err.value)
+        probes = await tier.route(["decode"], len(tokens), hashes)
+        assert probes[0].hit_tokens == 0                           # no entry on partial data
+        await no_pins(redis, "prefill", PREFILL)
+        await no_pins(redis, "decode", DECODE)

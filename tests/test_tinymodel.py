@@ -1,0 +1,308 @@
+"""The tiny hybrid model as an oracle: pool runs equal the cold recompute, and the check can fail.
+
+Prompt A is prefilled once per module through the pool, in chunks that cross hash blocks mid-chunk,
+leaving its MLA pages and one checkpoint per crossed block; later tests resume other requests from
+those pages, always through copies (restore, copy-on-write) so A's shared pages stay untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachetier.config import load_config
+from gpu_pool.layout import ByteRange, PageKind
+from gpu_pool.pool import PageKindError, PagedPool
+from index.records import PageCopy, RequestPlan
+from kernels import page_copy
+from tinymodel import (ChunkError, ChunkRequest, PoolMismatch, TinyHybrid, UnsupportedModel,
+                       outputs_match)
+
+TINY = load_config("tiny")
+BLOCK, PAGE = TINY.cache.hash_block_tokens, TINY.cache.page_tokens
+PROMPT = np.random.default_rng(7).integers(0, 2**32, 150, dtype=np.uint64)
+A_BOUNDS = (0, 40, 70, 110, 128, 150)  # snapshots at 32, 64, 96, 144 inside a chunk, 128 at its end
+SCRATCH = range(200, 256)  # reused by every hypothesis example: stale bytes are always there
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """Request A after its prefill: its page table and its checkpoints by boundary."""
+
+    mla: list[list[int]]
+    snapshots: dict[int, list[int]]
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyHybrid:
+    return TinyHybrid(TINY.model, seed=1)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[PagedPool]:
+    with PagedPool.create(TINY.model, TINY.cache) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def page_ids() -> Iterator[int]:
+    return iter(range(SCRATCH.start))
+
+
+@pytest.fixture(scope="module")
+def reference(model: TinyHybrid) -> torch.Tensor:
+    return model.recompute(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def prefilled(model: TinyHybrid, pool: PagedPool, page_ids: Iterator[int],
+              reference: torch.Tensor) -> Prefilled:
+    mla = [take(page_ids, slots(len(PROMPT)))]
+    outputs, snapshots = prefill(model, pool, PROMPT, A_BOUNDS, mla, take(page_ids, 3), page_ids)
+    assert outputs_match(outputs, reference)
+    return Prefilled(mla, snapshots)
+
+
+def take(ids: Iterator[int], n: int) -> list[int]:
+    return list(itertools.islice(ids, n))
+
+
+def slots(tokens: int) -> int:
+    return -(-tokens // PAGE)
+
+
+def prefill(model: TinyHybrid, pool: PagedPool, tokens: Sequence[int] | np.ndarray,
+            bounds: Sequence[int], mla: list[list[int]], state: list[int],
+            ids: Iterator[int]) -> tuple[torch.Tensor, dict[int, list[int]]]:
+    """Run the chunks [bounds[i], bounds[i+1]) one step each, snapshotting as the index plans it:
+    at the last hash-block boundary of every chunk that crosses one, into fresh pages."""
+    outputs, snapshots = [], {}
+    for start, stop in itertools.pairwise(bounds):
+        at = stop // BLOCK * BLOCK if stop // BLOCK > start // BLOCK else 0
+        pages = take(ids, 3) if at else []
+        outputs += model.forward(pool, [ChunkRequest(tokens, start, stop, mla, state, at, pages)])
+        if at:
+            snapshots[at] = pages
+    return torch.cat(outputs), snapshots
+
+
+def restore(pool: PagedPool, checkpoint: Sequence[int], state: Sequence[int]) -> None:
+    nbytes = pool.layout.geometry.kda_page_bytes
+    rows = [[src, dst, 0, nbytes] for src, dst in zip(checkpoint, state, strict=True)]
+    page_copy(pool.buffer, pool.buffer, rows)
+
+
+def copy_rows(pool: PagedPool, src: int, dst: int, tokens: int) -> None:
+    page_copy(pool.buffer, pool.buffer, [[src, dst, 0, tokens * pool.layout.model.mla_token_bytes]])
+
+
+def resume(pool: PagedPool, prefilled: Prefilled, ids: Iterator[int],
+           hit: int) -> tuple[list[int], list[int]]:
+    """Request B's pages after a hit at `hit` on A: A's whole pages below the hit shared, the
+    partial page copied on write, fresh pages after it, the checkpoint restored into fresh state."""
+    shared = hit // PAGE
+    table = prefilled.mla[0][:shared] + take(ids, slots(len(PROMPT)) - shared)
+    if hit % PAGE:
+        copy_rows(pool, prefilled.mla[0][shared], table[shared], hit % PAGE)
+    state = take(ids, 3)
+    restore(pool, prefilled.snapshots[hit], state)
+    return table, state
+
+
+def corrupt(pool: PagedPool, page: int, slot: int, within: ByteRange) -> None:
+    where = pool.layout.buffer_range(page, slot, within)
+    pool.buffer.view(-1)[where.offset:where.end].view(torch.float32).add_(1.0)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_chunked_forward_through_the_pool_matches_recompute(
+        model: TinyHybrid, pool: PagedPool, reference: torch.Tensor, data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, len(PROMPT)), label="prompt tokens")
+    cuts = data.draw(st.sets(st.integers(1, n - 1), max_size=5) if n > 1 else st.just(set()),
+                     label="chunk bounds")
+    scratch = iter(SCRATCH)
+    mla = [take(scratch, slots(len(PROMPT)))]
+    outputs, snapshots = prefill(model, pool, PROMPT[:n], [0, *sorted(cuts), n], mla,
+                                 take(scratch, 3), scratch)
+    assert outputs_match(outputs, reference[:n])
+    assert torch.equal(outputs, reference[:n])  # today the two paths agree to the bit
+    for at, pages in snapshots.items():  # each checkpoint resumes the prompt at its boundary
+        state = take(scratch, 3)
+        restore(pool, pages, state)
+        stop = min(at + 5, len(PROMPT))
+        [out] = model.forward(pool, [ChunkRequest(PROMPT, at, stop, mla, state)])
+        assert outputs_match(out, reference[at:stop]), f"checkpoint at {at}"
+
+
+@pytest.mark.parametrize("at", [32, 64, 96, 128, 144])
+def test_every_checkpoint_resumes_the_prompt_at_its_boundary(
+        model: TinyHybrid, pool: PagedPool, page_ids: Iterator[int], prefilled: Prefilled,
+        reference: torch.Tensor, at: int) -> None:
+    state = take(page_ids, 3)
+    restore(pool, prefilled.snapshots[at], state)
+    [out] = model.forward(pool, [ChunkRequest(PROMPT, at, at + 6, prefilled.mla, state)])
+    assert outputs_match(out, reference[at:at + 6])
+
+
+@pytest.mark.parametrize("hit", [64, 96], ids=["page-aligned", "mid-page"])
+def test_resuming_another_request_from_a_hit_matches_its_recompute(
+        model: TinyHybrid, pool: PagedPool, page_ids: Iterator[int], prefilled: Prefilled,
+        hit: int) -> None:
+    tokens = np.concatenate([PROMPT[:hit], np.arange(1_000, 1_130 - hit, dtype=np.uint64)])
+    other = np.arange(5_000, 5_000 + len(tokens) - hit, dtype=np.uint64)
+    other_reference = model.recompute(other)
+    table, state = resume(pool, prefilled, page_ids, hit)
+    other_table, other_state = [take(page_ids, slots(len(other)))], take(page_ids, 3)
+    shared_before = pool.buffer[:, prefilled.mla[0][:hit // PAGE]].clone()
+    outputs: list[torch.Tensor] = []
+    for start, stop in itertools.pairwise([hit, hit + 7, hit + 30, len(tokens)]):
+        cold = ChunkRequest(other, start - hit, stop - hit, other_table, other_state)
+        b, c = model.forward(pool, [ChunkRequest(tokens, start, stop, [table], state), cold])
+        outputs.append(b)
+        assert outputs_match(c, other_reference[start - hit:stop - hit])
+    assert outputs_match(torch.cat(outputs), model.recompute(tokens)[hit:])
+    assert torch.equal(pool.buffer[:, prefilled.mla[0][:hit // PAGE]], shared_before)
+
+
+@pytest.mark.parametrize("group, slot, head, within", [
+    (0, 0, 0, None), (2, 1, 3, ByteRange(4 * 37, 4)), (1, 1, 2, ByteRange(512, 64)),
+], ids=["whole-head", "one-float", "64-bytes"])
+def test_a_corrupt_checkpoint_byte_range_changes_the_outputs(
+        model: TinyHybrid, pool: PagedPool, page_ids: Iterator[int], prefilled: Prefilled,
+        reference: torch.Tensor, group: int, slot: int, head: int,
+        within: ByteRange | None) -> None:
+    checkpoint = take(page_ids, 3)
+    restore(pool, prefilled.snapshots[96], checkpoint)  # a copy: A's checkpoint stays intact
+    head_range = pool.layout.kda_head_range(head)
+    corrupt(pool, checkpoint[group], slot, head_range if within is None
+            else ByteRange(head_range.offset + within.offset, within.size))
+    state = take(page_ids, 3)
+    restore(pool, checkpoint, state)
+    [out] = model.forward(pool, [ChunkRequest(PROMPT, 96, 110, prefilled.mla, state)])
+    assert not outputs_match(out, reference[96:110])
+
+
+def test_a_corrupt_mla_row_changes_the_outputs(model: TinyHybrid, pool: PagedPool,
+                                               page_ids: Iterator[int], prefilled: Prefilled,
+                                               reference: torch.Tensor) -> None:
+    table, state = resume(pool, prefilled, page_ids, 96)
+    private = take(page_ids, 1)[0]
+    copy_rows(pool, table[0], private, PAGE)
+    corrupt(pool, private, 1, pool.layout.mla_token_range(40, 41))
+    [out] = model.forward(pool, [ChunkRequest(PROMPT, 96, 110, [[private, *table[1:]]], state)])
+    assert not outputs_match(out, reference[96:110])
+
+
+def test_type_confused_pages_give_different_outputs(model: TinyHybrid, pool: PagedPool,
+                                                    page_ids: Iterator[int], prefilled: Prefilled,
+                                                    reference: torch.Tensor) -> None:
+    table, state = resume(pool, prefilled, page_ids, 96)
+    ok = ChunkRequest(PROMPT, 96, 110, [table], state)
+    assert outputs_match(model.forward(pool, [ok])[0], reference[96:110])
+    kda_as_mla = take(page_ids, 1)[0]
+    restore(pool, prefilled.snapshots[96][:1], [kda_as_mla])
+    confused = dataclasses.replace(ok, mla_pages=[[kda_as_mla, *table[1:]]])
+    assert not outputs_match(model.forward(pool, [confused])[0], reference[96:110])
+    mla_as_kda = take(page_ids, 1)[0]
+    copy_rows(pool, table[0], mla_as_kda, PAGE)
+    restore(pool, prefilled.snapshots[96], state)
+    confused = dataclasses.replace(ok, state_pages=[mla_as_kda, *state[1:]])
+    assert not outputs_match(model.forward(pool, [confused])[0], reference[96:110])
+
+
+def test_a_debug_pool_refuses_a_type_confused_page(model: TinyHybrid) -> None:
+    cache = dataclasses.replace(TINY.cache, num_pages=8)
+    with PagedPool.create(TINY.model, cache, debug=True) as pool:
+        for page, kind in [(0, PageKind.MLA), *((p, PageKind.KDA) for p in range(1, 4))]:
+            pool.tag(page, kind)
+        [out] = model.forward(pool, [ChunkRequest(PROMPT, 0, 20, [[0]], [1, 2, 3])])
+        assert outputs_match(out, model.recompute(PROMPT[:20]))
+        with pytest.raises(PageKindError):
+            model.forward(pool, [ChunkRequest(PROMPT, 20, 30, [[1]], [1, 2, 3])])
+        with pytest.raises(PageKindError):
+            model.forward(pool, [ChunkRequest(PROMPT, 20, 30, [[0]], [0, 2, 3])])
+
+
+def test_the_model_sizes_are_the_pool_layout(model: TinyHybrid, pool: PagedPool) -> None:
+    model.check_pool(pool)
+    layout, dims = pool.layout, model.dims
+    assert layout.mla_token_range(0, 1).size == dims.mla_row * 4 == 64
+    assert layout.kda_head_range(0).size == dims.kda_k * dims.kda_v * 4 == 1024
+    assert layout.layer_slots == dims.blocks and layout.rank_heads(0) == range(dims.kda_heads)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tp_degree": 2}, "tp_degree=2"),
+    ({"mla_dtype": "bfloat16"}, "mla_dtype='bfloat16'"),
+    ({"kda_state_dtype": "bfloat16"}, "kda_state_dtype='bfloat16'"),
+    ({"mla_latent_dim": 4}, "no latent beside rope_dim=4"),
+])
+def test_a_spec_the_model_cannot_serve_is_refused(change: dict[str, object], message: str) -> None:
+    with pytest.raises(UnsupportedModel, match=message):
+        TinyHybrid(dataclasses.replace(TINY.model, **change))
+
+
+def test_a_pool_laid_out_for_another_model_is_refused(model: TinyHybrid) -> None:
+    other = dataclasses.replace(TINY.model, mla_latent_dim=32, kda_heads=2)
+    mismatch = "KDA heads per rank: model 4, pool 2.*MLA token row bytes: model 64, pool 128"
+    with (PagedPool.create(other, dataclasses.replace(TINY.cache, num_pages=4)) as pool,
+          pytest.raises(PoolMismatch, match=mismatch)):
+        model.forward(pool, [ChunkRequest(PROMPT, 0, 4, [[0]], [1, 2, 3])])
+
+
+@pytest.mark.parametrize("request_, message", [
+    (ChunkRequest(PROMPT, 0, 0, [[0]], [1, 2, 3]), "empty"),
+    (ChunkRequest(PROMPT, 0, 151, [[0, 4, 5]], [1, 2, 3]), "outside a 150-token prompt"),
+    (ChunkRequest(PROMPT, 60, 70, [[0]], [1, 2, 3]), "need 2"),
+    (ChunkRequest(PROMPT, 0, 10, [[0]], [1, 2]), "2 pages, the model has 3"),
+    (ChunkRequest(PROMPT, 16, 40, [[0]], [1, 2, 3], 16, [4, 5, 6]), r"outside \(16, 40\]"),
+    (ChunkRequest(PROMPT, 0, 40, [[0]], [1, 2, 3], 32, [3, 4, 5]), "overlap"),
+], ids=["empty", "past-prompt", "missing-slot", "state-groups", "snapshot-at-start", "overlap"])
+def test_an_inconsistent_chunk_is_refused(model: TinyHybrid, pool: PagedPool,
+                                          request_: ChunkRequest, message: str) -> None:
+    with pytest.raises(ChunkError, match=message):
+        model.forward(pool, [request_])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_a_pool_on_any_device_serves_the_cpu_model(model: TinyHybrid, reference: torch.Tensor,
+                                                   device: str) -> None:
+    cache = dataclasses.replace(TINY.cache, num_pages=11)
+    with PagedPool.create(TINY.model, cache, device) as pool:
+        outputs, snapshots = prefill(model, pool, PROMPT[:80], [0, 23, 80], [[0, 1]], [2, 3, 4],
+                                     iter(range(5, 11)))
+        assert outputs_match(outputs, reference[:80])
+        [out] = model.forward(pool, [ChunkRequest(PROMPT, 80, 90, [[0, 1]], [2, 3, 4])])
+    assert outputs_match(out, reference[80:90]) and list(snapshots) == [16, 80]
+
+
+def test_a_full_attention_model_runs_from_its_mla_pages_alone() -> None:
+    spec = dataclasses.replace(TINY.model, kda_groups=0)
+    model = TinyHybrid(spec)
+    tokens = PROMPT[:70]
+    with PagedPool.create(spec, dataclasses.replace(TINY.cache, num_pages=4)) as pool:
+        outputs = [model.forward(pool, [ChunkRequest(tokens, start, stop, [[0, 1]], [])])[0]
+                   for start, stop in [(0, 9), (9, 66), (66, 70)]]
+    assert outputs_match(torch.cat(outputs), model.recompute(tokens))
+
+
+def test_a_request_plan_maps_onto_a_chunk() -> None:
+    plan = RequestPlan("r", 48, 48, 100, [[7, 8]], [1, 2, 3], [4, 5, 6], 96,
+                       [PageCopy(9, 1, 0, 4096)])
+    chunk = ChunkRequest.from_plan(plan, PROMPT)
+    assert (chunk.start, chunk.stop, chunk.snapshot_tokens) == (48, 100, 96)
+    assert (chunk.mla_pages, chunk.state_pages, chunk.snapshot_pages) == ([[7, 8]], [1, 2, 3],
+                                                                         [4, 5, 6])
+    assert not chunk.fresh_state

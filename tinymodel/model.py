@@ -1,0 +1,102 @@
+"""`TinyHybrid`: a tiny but real KDA + MLA model whose only cache is the pool.
+
+Block `i` runs layer slot `i` of every KDA group, then layer slot `i` of every MLA group, the same
+order in which `ModelSpec` assigns layers to page slots. `forward` reads and writes every reused
+byte of state through the pool (`pool_io`); `recompute` runs the same per-token math (`ops`) from
+scratch on plain tensors. A run resumed from any cache hit is correct exactly when its outputs match
+`recompute`: that comparison is the oracle of the end-to-end, concurrency and chaos tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from cachetier.config import ModelSpec
+from gpu_pool.pool import PagedPool
+from tinymodel import ops, pool_io
+from tinymodel.chunk import ChunkRequest
+from tinymodel.weights import Dims, Weights, init_weights
+
+# fp32 outputs of the two paths agree to the bit when the pool returns what was stored; this slack
+# only covers the engine batching or reordering the same math differently one day
+RTOL = ATOL = 1e-5
+
+
+def outputs_match(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The oracle's verdict: same shape and equal within `RTOL`/`ATOL`."""
+    return actual.shape == expected.shape and torch.allclose(actual, expected, rtol=RTOL,
+                                                             atol=ATOL)
+
+
+class TinyHybrid:
+    """Random fp32 weights on CPU, fixed by `seed`; `free` overrides the sizes `Dims` leaves free
+    (`d_model`, `vocab`, `out_dim`, `rope_dim`, MLA attention heads). Token ids are taken modulo
+    `vocab`, so any uint32 prompt is valid. Raises `UnsupportedModel` for a spec it cannot serve."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0, **free: int) -> None:
+        self.spec = spec
+        self.dims = Dims.from_spec(spec, **free)
+        self.weights: Weights = init_weights(self.dims, seed)
+
+    def check_pool(self, pool: PagedPool) -> None:
+        """Raise `PoolMismatch` unless `pool`'s layout holds exactly this model's caches."""
+        pool_io.check_pool(self.dims, pool)
+
+    def forward(self, pool: PagedPool, batch: Sequence[ChunkRequest]) -> list[torch.Tensor]:
+        """Run every chunk of `batch` through the pool; returns per chunk `[stop - start, out_dim]`.
+
+        Chunks run one after the other: within a step no request reads what another one writes
+        (the index never matches pages pending in the same step), so the order does not matter.
+        """
+        self.check_pool(pool)
+        page_tokens = pool.layout.cache.page_tokens
+        for request in batch:
+            request.check(self.dims, page_tokens)
+        return [self._forward_one(pool, request) for request in batch]
+
+    def recompute(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Cold full recompute, `[len(tokens), out_dim]`, with no pool: state starts at zero and the
+        latent rows stay in a local tensor, so it shares no storage path with `forward`."""
+        dims, w = self.dims, self.weights
+        hidden = self._embed(tokens)
+        for block in range(dims.blocks):
+            for group in range(dims.kda_groups):
+                state = torch.zeros(dims.kda_heads, dims.kda_k, dims.kda_v)
+                hidden, _, _ = ops.kda_span(w.kda[group][block], dims, hidden, state)
+            for group in range(dims.mla_groups):
+                layer = w.mla[group][block]
+                rows = ops.mla_rows(layer, hidden, 0)
+                hidden = ops.mla_span(layer, dims, hidden, 0, rows)
+        return self._head(hidden)
+
+    def _forward_one(self, pool: PagedPool, r: ChunkRequest) -> torch.Tensor:
+        dims, w = self.dims, self.weights
+        hidden = self._embed(r.tokens[r.start:r.stop])
+        split = r.snapshot_tokens - r.start if r.snapshot_tokens else 0
+        for block in range(dims.blocks):
+            for group in range(dims.kda_groups):
+                page = r.state_pages[group]
+                state = (torch.zeros(dims.kda_heads, dims.kda_k, dims.kda_v) if r.fresh_state
+                         else pool_io.read_state(pool, page, block))
+                hidden, state, snapshot = ops.kda_span(w.kda[group][block], dims, hidden, state,
+                                                       split)
+                pool_io.write_state(pool, page, block, state)
+                if snapshot is not None:
+                    pool_io.write_state(pool, r.snapshot_pages[group], block, snapshot)
+            for group in range(dims.mla_groups):
+                layer, pages = w.mla[group][block], r.mla_pages[group]
+                new_rows = ops.mla_rows(layer, hidden, r.start)
+                pool_io.write_rows(pool, pages, block, r.start, new_rows)
+                rows = pool_io.read_rows(pool, pages, block, r.stop)
+                hidden = ops.mla_span(layer, dims, hidden, r.start, rows)
+        return self._head(hidden)
+
+    def _embed(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
+        ids = np.asarray(tokens, dtype=np.int64) % self.dims.vocab
+        return self.weights.embed[torch.from_numpy(ids)]
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([ops.output(self.weights, hidden[t]) for t in range(hidden.shape[0])])

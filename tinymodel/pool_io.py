@@ -1,0 +1,83 @@
+"""The model's only contact with cached state: typed reads and writes of pool pages.
+
+Everything a chunk reuses from earlier chunks or from other requests passes through these functions,
+so the oracle (`TinyHybrid.recompute`, which never calls them) checks exactly the bytes the cluster
+stored, restored and copied. Reads go through `PagedPool`'s typed views, so a debug pool refuses a
+page of the wrong kind, and a non-debug pool returns the other layout's bytes (visible garbage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpu_pool.pool import PagedPool
+from tinymodel.weights import Dims
+
+
+class PoolMismatch(ValueError):
+    """The pool's page layout does not hold this model's caches."""
+
+
+def check_pool(dims: Dims, pool: PagedPool) -> None:
+    """Compare the model's cache sizes with the pool's layout, naming every difference: a pool laid
+    out for another model would otherwise be read at the wrong offsets without any error."""
+    spec = pool.layout.model
+    expected = {
+        "kda_groups": (dims.kda_groups, spec.kda_groups),
+        "mla_groups": (dims.mla_groups, spec.mla_groups),
+        "layer slots": (dims.blocks, pool.layout.layer_slots),
+        "KDA heads per rank": (dims.kda_heads, spec.heads_per_rank),
+        "MLA token row bytes": (dims.mla_row * 4, spec.mla_token_bytes),
+        "MLA dtype": (torch.float32, pool.layout.mla_dtype),
+    }
+    if dims.kda_groups:
+        expected["KDA head bytes"] = (dims.kda_k * dims.kda_v * 4, pool.layout.head_bytes)
+        expected["KDA head [K, V]"] = ((dims.kda_k, dims.kda_v),
+                                       (spec.kda_head_k_dim, spec.kda_head_v_dim))
+        expected["KDA dtype"] = (torch.float32, pool.layout.kda_dtype)
+    wrong = [f"{name}: model {ours}, pool {theirs}"
+             for name, (ours, theirs) in expected.items() if ours != theirs]
+    if wrong:
+        raise PoolMismatch(f"pool layout of model {spec.name!r} does not fit the tiny model: "
+                           + "; ".join(wrong))
+
+
+def read_state(pool: PagedPool, page: int, slot: int) -> torch.Tensor:
+    """A contiguous `[H, K, V]` copy of one layer's state (stored value-major per head)."""
+    view = pool.kda_view(page)[slot]
+    return torch.empty(view.shape, dtype=torch.float32).copy_(view)
+
+
+def write_state(pool: PagedPool, page: int, slot: int, state: torch.Tensor) -> None:
+    pool.kda_view(page)[slot].copy_(state)
+
+
+def _spans(pages: Sequence[int], page_tokens: int, start: int,
+           stop: int) -> list[tuple[int, int, int, int]]:
+    """`(page, first, last, done)` pieces of positions [start, stop): tokens [first, last) of
+    `page` hold positions [start + done, start + done + last - first)."""
+    spans, pos = [], start
+    while pos < stop:
+        index, first = divmod(pos, page_tokens)
+        last = min(page_tokens, first + stop - pos)
+        spans.append((pages[index], first, last, pos - start))
+        pos += last - first
+    return spans
+
+
+def write_rows(pool: PagedPool, pages: Sequence[int], slot: int, start: int,
+               rows: torch.Tensor) -> None:
+    """Store `rows [T, row]` as positions [start, start + T) of one layer of a page table."""
+    page_tokens = pool.layout.cache.page_tokens
+    for page, first, last, done in _spans(pages, page_tokens, start, start + rows.shape[0]):
+        pool.mla_view(page)[slot, first:last].copy_(rows[done:done + last - first])
+
+
+def read_rows(pool: PagedPool, pages: Sequence[int], slot: int, stop: int) -> torch.Tensor:
+    """Positions [0, stop) of one layer of a page table, as a new `[stop, row]` tensor (stop>0)."""
+    page_tokens = pool.layout.cache.page_tokens
+    pieces = [pool.mla_view(page)[slot, first:last]
+              for page, first, last, _ in _spans(pages, page_tokens, 0, stop)]
+    return torch.cat(pieces).cpu()

@@ -1,0 +1,128 @@
+"""The model's sizes and its random weights, both derived from a `ModelSpec` and a seed.
+
+The cache-facing sizes (KDA heads and state dims, the MLA row width, layer counts) come from the
+spec so the model's state is exactly what the pool stores; the rest (embedding, attention heads,
+output) is free and kept tiny. Weights come from a seeded `torch.Generator`, so every process that
+builds the model with the same seed computes the same function: the oracle of one process checks
+the pages written by another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachetier.config import ModelSpec
+
+
+class UnsupportedModel(ValueError):
+    """The tiny model cannot stand in for this `ModelSpec` (its caches would not be exact)."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Every size of the model. `mla_latent` (the no-rope part of a cached row) is derived."""
+
+    kda_groups: int
+    mla_groups: int
+    blocks: int
+    kda_heads: int
+    kda_k: int
+    kda_v: int
+    mla_row: int
+    rope_dim: int = 4
+    d_model: int = 32
+    vocab: int = 32_000
+    out_dim: int = 16
+    mla_heads: int = 2
+    mla_head_dim: int = 8
+    mla_value_dim: int = 8
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, **free: int) -> Dims:
+        """Refuse specs whose cache the model could not reproduce bit for bit: the oracle compares
+        fp32 outputs at 1e-5, and it computes every head, so it needs one rank and fp32 caches."""
+        if spec.tp_degree != 1:
+            raise UnsupportedModel(f"model {spec.name!r}: tp_degree={spec.tp_degree}; the tiny "
+                                   "model computes every KDA head, so its pool must be "
+                                   "tp_degree=1")
+        for key in ("kda_state_dtype", "mla_dtype"):
+            if getattr(spec, key) != "float32":
+                raise UnsupportedModel(f"model {spec.name!r}: {key}={getattr(spec, key)!r}; the "
+                                       "tiny model stores fp32 caches only")
+        dims = cls(kda_groups=spec.kda_groups, mla_groups=spec.mla_groups,
+                   blocks=spec.layers_per_group, kda_heads=spec.kda_heads,
+                   kda_k=spec.kda_head_k_dim, kda_v=spec.kda_head_v_dim,
+                   mla_row=spec.mla_latent_dim, **free)
+        if dims.rope_dim <= 0 or dims.rope_dim % 2:
+            raise UnsupportedModel(f"rope_dim={dims.rope_dim} must be a positive even number")
+        if dims.mla_latent <= 0:
+            raise UnsupportedModel(f"model {spec.name!r}: mla_latent_dim={spec.mla_latent_dim} "
+                                   f"leaves no latent beside rope_dim={dims.rope_dim}")
+        return dims
+
+    @property
+    def mla_latent(self) -> int:
+        return self.mla_row - self.rope_dim
+
+
+@dataclass(frozen=True)
+class KdaWeights:
+    """`w_in` packs the q, k, v, decay-gate and write-strength projections, so a token costs one
+    matmul (columns in that order: H*K, H*K, H*V, H*K, H)."""
+
+    norm: torch.Tensor  # [d]
+    w_in: torch.Tensor  # [d, 3*H*K + H*V + H]
+    a_bias: torch.Tensor  # [H, K, 1]: keeps the decay near 1 so old state stays visible
+    wo: torch.Tensor  # [H*V, d]
+
+
+@dataclass(frozen=True)
+class MlaWeights:
+    norm: torch.Tensor  # [d]
+    w_dkv: torch.Tensor  # [d, C]: down-projection to the cached latent
+    w_kr: torch.Tensor  # [d, R]: the decoupled rotary key, cached beside the latent
+    wq: torch.Tensor  # [d, Hm*Dn]
+    wqr: torch.Tensor  # [d, Hm*R]
+    w_uk: torch.Tensor  # [Hm, C, Dn]: key up-projection (absorbed into the query)
+    w_uv: torch.Tensor  # [Hm, Dv, C]: value up-projection
+    wo: torch.Tensor  # [Hm*Dv, d]
+
+
+@dataclass(frozen=True)
+class Weights:
+    embed: torch.Tensor  # [vocab, d]
+    kda: list[list[KdaWeights]]  # [group][slot]
+    mla: list[list[MlaWeights]]  # [group][slot]
+    final_norm: torch.Tensor  # [d]
+    out: torch.Tensor  # [d, out_dim]
+
+
+def init_weights(dims: Dims, seed: int) -> Weights:
+    gen = torch.Generator().manual_seed(seed)
+
+    def dense(*shape: int, fan_in: int | None = None) -> torch.Tensor:
+        """Unit-variance outputs; `fan_in` defaults to the first dim (`x @ W` matrices)."""
+        return torch.randn(shape, generator=gen) * (fan_in or shape[0]) ** -0.5
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(dims.d_model, generator=gen)
+
+    d, hk, hv = dims.d_model, dims.kda_heads * dims.kda_k, dims.kda_heads * dims.kda_v
+
+    def kda() -> KdaWeights:
+        a_bias = 2.0 + 2.0 * torch.rand((dims.kda_heads, dims.kda_k, 1), generator=gen)
+        return KdaWeights(norm(), dense(d, 3 * hk + hv + dims.kda_heads), a_bias, dense(hv, d))
+
+    def mla() -> MlaWeights:
+        c, hm, r, dn, dv = (dims.mla_latent, dims.mla_heads, dims.rope_dim, dims.mla_head_dim,
+                            dims.mla_value_dim)
+        return MlaWeights(norm(), dense(d, c), dense(d, r), dense(d, hm * dn), dense(d, hm * r),
+                          dense(hm, c, dn, fan_in=dn), dense(hm, dv, c, fan_in=c),
+                          dense(hm * dv, d))
+
+    embed = torch.randn((dims.vocab, d), generator=gen)
+    kda_w = [[kda() for _ in range(dims.blocks)] for _ in range(dims.kda_groups)]
+    mla_w = [[mla() for _ in range(dims.blocks)] for _ in range(dims.mla_groups)]
+    return Weights(embed, kda_w, mla_w, norm(), dense(d, dims.out_dim))
