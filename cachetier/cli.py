@@ -153,7 +153,7 @@ def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
     settings = AgentSettings(
         services=tuple(args.service), pool=args.pool, token=_token(args), rank=args.rank,
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
-        max_frame=args.max_frame, debug=args.debug)
+        max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen)
     return _run_until_signal(run_agent(settings, args.mqtt), args.log_level)
 
 
@@ -223,6 +223,8 @@ def _add_agent_parser(commands: Any) -> None:
     agent.add_argument("--handle-file", type=Path, metavar="PATH",
                        help="where to write the pickled PoolHandle a worker attaches with")
     agent.add_argument("--debug", action="store_true", help="check page type tags on every view")
+    agent.add_argument("--data-listen", default="tcp://127.0.0.1:0", metavar="URL",
+                       help="where peer agents pull this rank's pages (default: any loopback port)")
     _add_node_arguments(agent)
     agent.set_defaults(handler=_agent)
 

@@ -24,7 +24,8 @@ import uuid
 from dataclasses import dataclass
 
 from cachetier.config import Config
-from cachetier.errors import BadMessage, CodedError, ErrorCode, ErrorInfo
+from cachetier.errors import (BadMessage, CodedError, CopyFailed, ErrorCode, ErrorInfo,
+                              RemoteError)
 from cachetier.fleet import AgentLink, StepGuard, run_copies
 from cachetier.protocol import CopyBatch, Fetch, HandoffReply
 from gpu_pool.layout import PageKind
@@ -79,7 +80,7 @@ async def _receive(src: PoolSide, dst: PoolSide, pinned: PinnedPrefix, hashes: b
         moves = _moves(pinned, plan, dst.config)
         fetch = Fetch(outcome.epoch, [link.data_url for link in src.links], src.config.model,
                       src.config.cache, [m.row() for m in moves])
-        await run_copies(dst.links, fetch, timeout)  # type: ignore[arg-type]
+        await _fetch(dst.links, fetch, timeout)
         src.guard.check()  # the source kept its epoch: the pages read were the pinned ones
         checkpoint = hit if plan.checkpoint_pages else 0
         done = await dst.index.commit([CommitItem(rid, hit, checkpoint, True)])
@@ -89,6 +90,17 @@ async def _receive(src: PoolSide, dst: PoolSide, pinned: PinnedPrefix, hashes: b
     finally:
         with contextlib.suppress(StaleEpoch):
             await dst.index.release([rid])
+
+
+async def _fetch(links: list[AgentLink], fetch: Fetch, timeout: float) -> None:
+    """Every destination rank pulls its share; an agent's refusal keeps its own code (a
+    `transfer_failed` says the source went away, not that the order was wrong)."""
+    try:
+        await run_copies(links, fetch, timeout)  # type: ignore[arg-type]  # any agent request
+    except CopyFailed as exc:
+        if isinstance(exc.__cause__, RemoteError):
+            raise exc.__cause__ from None
+        raise
 
 
 async def _run_plan_copies(dst: PoolSide, plan: StepPlan, timeout: float) -> None:

@@ -95,12 +95,6 @@ class PageServer:
     async def close(self) -> None:
         await self._server.close()
 
-    async def __aenter__(self) -> PageServer:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
     async def _serve(self, conn: Any) -> None:
         while True:
             frame = await read_frame(conn, self._max_frame)

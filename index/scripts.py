@@ -19,7 +19,7 @@ from index.errors import from_reply
 
 SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evict",
                 "invalidate_pool", "probe", "pin_prefix")
-USES_MATCH = frozenset({"probe", "pin_prefix"})  # look a prompt up outside plan_step
+USES_MATCH = frozenset({"plan_step", "probe", "pin_prefix"})  # look a prompt up
 
 
 @cache

@@ -17,7 +17,7 @@ import torch
 
 from cachetier.client import CacheTierClient
 from cachetier.config import CacheSpec, Config, ModelSpec
-from cachetier.errors import RemoteError
+from cachetier.errors import ErrorCode, RemoteError
 from gpu_pool import PagedPool
 from cachetier.framing import encode_frame
 from cachetier.protocol import ok_frame
@@ -127,7 +127,7 @@ async def test_a_source_dying_mid_stream_fails_retryably_and_leaves_nothing(redi
         await prefill(tier, views, tokens)
         with pytest.raises(RemoteError) as err:
             await tier.handoff("prefill", "decode", len(tokens), hashes)
-        assert err.value.retryable and "transfer_failed" in str(err.value)
+        assert err.value.retryable and err.value.code == ErrorCode.TRANSFER_FAILED
         probes = await tier.route(["decode"], len(tokens), hashes)
         assert probes[0].hit_tokens == 0                           # no entry on partial data
         await no_pins(redis, "prefill", PREFILL)

@@ -72,7 +72,7 @@ from typing import Literal
 from cachetier.replay.traces import BLOCK_TOKENS, TraceRequest
 from eviction.policy import TIER, EvictionWeights, lru
 
-CkClass = Literal["intermediate", "turn", "branch", "rung"]
+CkClass = Literal["intermediate", "turn", "branch", "rung", "spec", "superseded"]
 TRACE_BLOCK = BLOCK_TOKENS
 
 
@@ -102,6 +102,8 @@ class Steps:
     rung_class: CkClass = "rung"
     rung_pages: int = 1  # a rung every this many page ends
     last_rung_only: bool = False  # only the deepest page end crossed
+    spec_class: CkClass | None = None  # when set, the class of every rung but the deepest
+    spec_free_only: bool = False  # a `spec` checkpoint is written only into free pages (no eviction)
     turn_end: bool = True  # write the turn-end checkpoint (the last pass)
     demote_restored: bool = False  # the turn end supersedes the checkpoint the request restored
 
@@ -125,6 +127,7 @@ class Scorer:
     clock: Literal["tick", "gds"] = "tick"
     fresh: Literal["zero", "tick"] = "zero"
     hit_bonus: float = 0.0  # added once an entry has been hit (restored from / pinned as anchor)
+    freq: float = 0.0  # the value term is multiplied by 1 + freq * hits
 
     def bonus_of(self, cls: str) -> float:
         return dict(self.bonus)[cls]
@@ -270,15 +273,19 @@ class Model:
     def _score(self, obj: _Page | _Ckpt) -> float:
         sc = self.p.scorer
         if isinstance(obj, _Ckpt):
-            value = obj.gain if sc.depth_term == "gain" else obj.depth
+            value = (obj.gain if sc.depth_term == "gain" else obj.depth) * (1 + sc.freq * obj.hits)
             return (sc.recency * obj.lu + self._bonus[obj.cls] + sc.depth * value / self.geo.kda_groups
                     + (sc.hit_bonus if obj.hits else 0.0))
         bonus = self._bonus["mla"]
         for cls, n in obj.anchored.items():
             if n > 0 and cls in self._rank:
                 bonus = max(bonus, self._rank[cls])
-        return (sc.recency * obj.lu + bonus + sc.depth * obj.depth / self.geo.mla_groups
-                + (sc.hit_bonus if obj.hits else 0.0))
+        if sc.depth_term == "gain":  # it lives and dies with its checkpoints
+            value = (sum(c.gain * (1 + sc.freq * c.hits) for c in obj.cks)
+                     / (self.geo.mla_groups + self.geo.kda_groups * len(obj.cks)))
+        else:
+            value = obj.depth / self.geo.mla_groups
+        return sc.recency * obj.lu + bonus + sc.depth * value + (sc.hit_bonus if obj.hits else 0.0)
 
     def _touch(self, obj: _Page | _Ckpt) -> None:
         obj.ver += 1
@@ -371,6 +378,7 @@ class Model:
         steps = self.p.steps
         if not isinstance(steps, Steps):
             steps = steps(hit * self.B, match * self.B, length)
+        self.spec_free_only = steps.spec_free_only
         r = _Request(chain, length)
         r.pos = r.reg = r.prev_ck = hit
         self.stats.requests += 1
@@ -410,7 +418,9 @@ class Model:
             step = pt * steps.rung_pages
             rungs = range((start // step + 1) * step, length, step)
             for p in rungs[-1:] if steps.last_rung_only else rungs:
-                marks.setdefault(p, steps.rung_class)
+                deepest = p == rungs[-1]
+                marks.setdefault(p, steps.rung_class if deepest or not steps.spec_class
+                                 else steps.spec_class)
         if steps.stop_at_match and match > hit:
             marks[match * self.B] = "branch"
         stops = sorted(marks)
@@ -430,6 +440,9 @@ class Model:
         self.tick += 1
         new_slots = -(-stop // PT) - (r.shared + len(r.own))
         want_ck = cls is not None and kda > 0 and stop // B > r.pos // B
+        if want_ck and cls == "spec" and self.spec_free_only and self.capacity is not None:
+            free = self.capacity - self.used - new_slots * self.geo.mla_groups - (kda if first else 0)
+            want_ck = free >= kda
         need = new_slots * self.geo.mla_groups + (kda if first else 0) + (kda if want_ck else 0)
         self._ensure(need)
         self._alloc(need)
@@ -486,7 +499,8 @@ class Model:
         anchor = e[0]
         c = _Ckpt(next(self.seq), h, blocks, anchor, cls, self.now(), blocks * self.B,
                   (blocks - r.prev_ck) * self.B)
-        r.prev_ck = blocks
+        if cls not in ("spec", "intermediate"):
+            r.prev_ck = blocks
         self.ck[h] = c
         anchor.cks.append(c)
         anchor.anchored[cls] = anchor.anchored.get(cls, 0) + 1

@@ -1,6 +1,5 @@
 -- match.lua - the two-stage lookup of DESIGN.md, read-only; the loader prepends it (after lib.lua)
--- to the scripts that look a prompt up without planning a step (probe, pin_prefix). plan_step.lua
--- carries the same lookup inline.
+-- to the scripts that look a prompt up: plan_step, probe and pin_prefix.
 
 -- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
 -- endpoints inside the first missing page. Returns the deepest matchable block count.

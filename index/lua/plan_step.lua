@@ -27,40 +27,7 @@ local PT = B * PB
 if #batch == 0 then fail("BADINPUT", "empty step: nothing to plan") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 
--- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
--- endpoints inside the first missing page. Returns the deepest matchable block count.
-local function mla_match(blob, usable)
-  local lo, hi = 0, math.floor(usable / PB)
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    if matchable(block_hash(blob, HL, mid * PB)) then lo = mid else hi = mid - 1 end
-  end
-  for f = math.min(PB - 1, usable - lo * PB), 1, -1 do
-    if matchable(block_hash(blob, HL, lo * PB + f)) then return lo * PB + f end
-  end
-  return lo * PB
-end
-
--- Stage 2: the deepest boundary <= depth with a ready checkpoint in every KDA group (one record
--- holds them all), probing one page's worth of boundaries per call, deepest page first.
-local function kda_match(blob, depth)
-  if m.kda_groups == 0 then return depth, -1 end
-  local slot = math.floor((depth - 1) / PB)
-  while slot >= 0 do
-    local first, last = slot * PB + 1, math.min(depth, (slot + 1) * PB)
-    local fields = {}
-    for i = last, first, -1 do fields[#fields + 1] = block_hash(blob, HL, i) end
-    local leads = redis.call("HMGET", K_CK, unpack(fields))
-    for j, lead in ipairs(leads) do
-      if lead then
-        local rec = get_rec(tonumber(lead))
-        if rec.st == "ready" and matchable(fields[j]) then return last - j + 1, tonumber(lead) end
-      end
-    end
-    slot = slot - 1
-  end
-  return 0, -1
-end
+-- The two-stage lookup (match_prefix) comes from match.lua, shared with probe and pin_prefix.
 
 local function check_request(item, seen)
   if type(item) ~= "table" or type(item.rid) ~= "string" or #item.rid == 0 then
@@ -105,9 +72,8 @@ for n, item in ipairs(batch) do
   local r, blob = check_request(item, seen)
   local p = {item = item, r = r, blob = blob, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
   if r == nil then
-    local usable = math.min(#blob / HL, math.floor((item.tokens - 1) / B))
-    local depth = mla_match(blob, usable)
-    if depth > 0 then p.hit, p.ckpt = kda_match(blob, depth) end
+    local depth
+    depth, p.hit, p.ckpt = match_prefix(m, item.tokens, blob)
     p.match = depth * B
     if p.hit > 0 then hit_pages(p, get_ep(block_hash(blob, HL, p.hit))) end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
