@@ -2,7 +2,7 @@
 
 Block `i` runs layer slot `i` of every KDA group, then layer slot `i` of every MLA group, the same
 order in which `ModelSpec` assigns layers to page slots. `forward` reads and writes every reused
-byte of state through the pool (`pool_io`); `recompute` runs the same per-token math (`ops`) from
+byte of state through the pool (`pool_io`); `recompute` runs the same span math (`ops`) from
 scratch on plain tensors. A run resumed from any cache hit is correct exactly when its outputs match
 `recompute`: that comparison is the oracle of the end-to-end, concurrency and chaos tests.
 """
@@ -20,8 +20,9 @@ from tinymodel import ops, pool_io
 from tinymodel.chunk import ChunkRequest
 from tinymodel.weights import Dims, Weights, init_weights
 
-# fp32 outputs of the two paths agree to the bit when the pool returns what was stored; this slack
-# only covers the engine batching or reordering the same math differently one day
+# fp32 outputs of the two paths agree to ~1e-6 when the pool returns what was stored: both run the
+# same span math (`ops`) but over different spans (the chunks vs the whole prompt), so sums may
+# round in another order; a wrong or stale page moves the outputs by orders of magnitude more
 RTOL = ATOL = 1e-5
 
 
@@ -34,7 +35,12 @@ def outputs_match(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 class TinyHybrid:
     """Random fp32 weights on CPU, fixed by `seed`; `free` overrides the sizes `Dims` leaves free
     (`d_model`, `vocab`, `out_dim`, `rope_dim`, MLA attention heads). Token ids are taken modulo
-    `vocab`, so any uint32 prompt is valid. Raises `UnsupportedModel` for a spec it cannot serve."""
+    `vocab`, so any uint32 prompt is valid. Raises `UnsupportedModel` for a spec it cannot serve.
+
+    A span costs a few hundred tiny torch ops (~0.1-0.2 ms per token for chunks of 16-64 tokens).
+    The model changes no global torch setting: a process sharing a busy CPU should call
+    `torch.set_num_threads(1)`, since multi-threaded BLAS on such small matrices mostly waits on
+    thread barriers (2-30x slower under contention)."""
 
     def __init__(self, spec: ModelSpec, seed: int = 0, **free: int) -> None:
         self.spec = spec
@@ -55,11 +61,18 @@ class TinyHybrid:
         page_tokens = pool.layout.cache.page_tokens
         for request in batch:
             request.check(self.dims, page_tokens)
-        return [self._forward_one(pool, request) for request in batch]
+        with torch.inference_mode():  # thread-local: skips autograd bookkeeping on every tiny op
+            outputs = [self._forward_one(pool, request) for request in batch]
+        return [out.clone() for out in outputs]  # normal tensors, free to modify in place
 
     def recompute(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Cold full recompute, `[len(tokens), out_dim]`, with no pool: state starts at zero and the
         latent rows stay in a local tensor, so it shares no storage path with `forward`."""
+        with torch.inference_mode():
+            outputs = self._recompute(tokens)
+        return outputs.clone()
+
+    def _recompute(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
         dims, w = self.dims, self.weights
         hidden = self._embed(tokens)
         for block in range(dims.blocks):
@@ -76,22 +89,27 @@ class TinyHybrid:
         dims, w = self.dims, self.weights
         hidden = self._embed(r.tokens[r.start:r.stop])
         split = r.snapshot_tokens - r.start if r.snapshot_tokens else 0
+        states = [torch.zeros(dims.blocks, dims.kda_heads, dims.kda_k, dims.kda_v)
+                  if r.fresh_state else pool_io.read_states(pool, page)
+                  for page in r.state_pages]  # per group `[slot, H, K, V]`, updated in place
+        snapshots: list[list[torch.Tensor]] = [[] for _ in r.state_pages]
         for block in range(dims.blocks):
             for group in range(dims.kda_groups):
-                page = r.state_pages[group]
-                state = (torch.zeros(dims.kda_heads, dims.kda_k, dims.kda_v) if r.fresh_state
-                         else pool_io.read_state(pool, page, block))
-                hidden, state, snapshot = ops.kda_span(w.kda[group][block], dims, hidden, state,
-                                                       split)
-                pool_io.write_state(pool, page, block, state)
+                hidden, state, snapshot = ops.kda_span(w.kda[group][block], dims, hidden,
+                                                       states[group][block], split)
+                states[group][block] = state
                 if snapshot is not None:
-                    pool_io.write_state(pool, r.snapshot_pages[group], block, snapshot)
+                    snapshots[group].append(snapshot)
             for group in range(dims.mla_groups):
                 layer, pages = w.mla[group][block], r.mla_pages[group]
                 new_rows = ops.mla_rows(layer, hidden, r.start)
                 pool_io.write_rows(pool, pages, block, r.start, new_rows)
                 rows = pool_io.read_rows(pool, pages, block, r.stop)
                 hidden = ops.mla_span(layer, dims, hidden, r.start, rows)
+        for group, page in enumerate(r.state_pages):
+            pool_io.write_states(pool, page, states[group])
+            if r.snapshot_tokens:
+                pool_io.write_states(pool, r.snapshot_pages[group], torch.stack(snapshots[group]))
         return self._head(hidden)
 
     def _embed(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:

@@ -1,19 +1,21 @@
 """Per-span math shared by the pool forward and the cold recompute.
 
-Every function takes the vectors of a whole span of consecutive tokens (`hidden [T, d]` at positions
-`start..start + T - 1`) and computes all per-token projections with one matmul each; only the KDA
-state recurrence runs token by token, with three small in-place ops per token. Both paths call
-these same functions, so any difference the oracle sees comes from what was stored, not from the
-math; the paths may still differ in the last bits because they cut the prompt into different spans
-(a matmul or softmax over more rows may sum in another order), which `RTOL`/`ATOL` absorb.
+Every function takes a whole span of consecutive tokens (`hidden [T, d]`, first token at position
+`start`) and computes every per-token projection with one matmul; the KDA recurrence runs in
+blocks of `KDA_BLOCK` tokens in its exact chunkwise form. Both paths call these same functions on
+plain tensors (where state and latent rows come from is the caller's job), so any difference the
+oracle sees comes from what was stored, not from the math. The two paths cut a prompt into different
+spans, so their sums may round in a different order: they agree to ~1e-6, inside RTOL/ATOL.
 
-The layer functions (`kda_span`, `mla_span`) take plain tensors: where state and latents come from
-is the caller's job. They set no global torch state: every matrix here is tiny (at most a few
-hundred rows of 16-64 columns), and the engine, not this library, decides how many threads torch
-uses (a threaded BLAS only adds synchronisation at these sizes, and is much slower on a busy machine).
+No global torch setting is changed here. All matrices are tiny (tens of rows by 16-64 columns), so a
+span costs a fixed number of small torch ops; a caller sharing a busy CPU should run torch with one
+thread (`torch.set_num_threads(1)`): with more, small BLAS calls wait on thread barriers, and a
+forward pass runs 2-20x slower under contention.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,45 +23,54 @@ import torch.nn.functional as F
 from tinymodel.weights import Dims, KdaWeights, MlaWeights, Weights
 
 ROPE_BASE = 10_000.0
-# KDA states kept per block of tokens (memory: BLOCK * H * K * V floats), and MLA queries attended
-# per block (memory: heads * BLOCK * positions floats); only a long cold recompute spans >1 block
-KDA_BLOCK = 128
-MLA_BLOCK = 256
+KDA_BLOCK = 64  # tokens per KDA block: ~30 torch ops and O(BLOCK^2) work per block
+MLA_BLOCK = 256  # queries attended at once: bounds the `[BLOCK, heads, positions]` scores
+# a KDA block's factors 1/decay reach e^(this): far inside fp32, whose exp overflows past 88
+MAX_BLOCK_LOG_DECAY = 60.0
 
-_rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_rope_tables: dict[int, torch.Tensor] = {}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def _rotation(half: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[stop - start, half]` of positions [start, stop), from one table per `half`
-    grown by doubling and computed in float64: a position's angles never depend on the span."""
+def _rotation(half: int, start: int, stop: int) -> torch.Tensor:
+    """`e^(i pos theta_j)` `[stop - start, half]` (complex64) for positions [start, stop), from one
+    table per `half`, grown by doubling and computed in float64: a position's rotation does not
+    depend on the span it is computed in."""
     table = _rope_tables.get(half)
-    if table is None or table[0].shape[0] < stop:
+    if table is None or table.shape[0] < stop:
         size = max(1024, 1 << (stop - 1).bit_length())
         inv_freq = ROPE_BASE ** (-torch.arange(half, dtype=torch.float64) / half)
         angle = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq
-        table = (torch.cos(angle).float(), torch.sin(angle).float())
+        table = torch.polar(torch.ones_like(angle), angle).to(torch.complex64)
         _rope_tables[half] = table
-    return table[0][start:stop], table[1][start:stop]
+    return table[start:stop]
 
 
 def rope(x: torch.Tensor, start: int) -> torch.Tensor:
     """Rotate channel pairs of `x [T, ..., R]` (token `t` at position `start + t`) by the absolute
     position, so query-key scores depend on the distance: a latent row written at the wrong
     position changes the outputs."""
-    cos, sin = _rotation(x.shape[-1] // 2, start, start + x.shape[0])
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    steps, half = x.shape[0], x.shape[-1] // 2
+    rotation = _rotation(half, start, start + steps).view(steps, *(1,) * (x.dim() - 2), half)
+    pairs = torch.view_as_complex(x.contiguous().view(*x.shape[:-1], half, 2))
+    return torch.view_as_real(pairs * rotation).flatten(-2)
 
 
 def output(w: Weights, hidden: torch.Tensor) -> torch.Tensor:
     """The output vectors `[T, out_dim]` of `hidden [T, d]`: what the oracle compares."""
     return rms_norm(hidden, w.final_norm) @ w.out
+
+
+# --- KDA ------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=128)
+def _kda_masks(n: int) -> torch.Tensor:
+    """`[2, n, n]`: a read at t sees the writes i <= t; the write at t corrects for those i < t."""
+    ones = torch.ones(n, n)
+    return torch.stack((ones.tril(), ones.tril(-1)))
 
 
 def kda_span(w: KdaWeights, dims: Dims, hidden: torch.Tensor, state: torch.Tensor,
@@ -68,66 +79,103 @@ def kda_span(w: KdaWeights, dims: Dims, hidden: torch.Tensor, state: torch.Tenso
     (hidden out, final state, the state after the first `split` tokens or None when `split` is 0):
     a snapshot may fall strictly inside a chunk, so it is taken where the recurrence passes it.
 
-    Per token: S <- diag(a) S, then S <- S + beta k (v - S^T k)^T per head, output S^T q. The state
-    is the only memory of the past, so a resumed run is right exactly when the restored state is.
+    Per token t: S <- diag(a_t) S, then S <- S + beta_t k_t (v_t - S^T k_t)^T per head, output
+    S^T q_t. The state is the only memory of the past, so a resumed run is right exactly when the
+    restored state is.
     """
     steps, heads, k_dim, v_dim = hidden.shape[0], dims.kda_heads, dims.kda_k, dims.kda_v
     hk = heads * k_dim
     qk, v, gate, strength = (rms_norm(hidden, w.norm) @ w.w_in).split(
         (2 * hk, heads * v_dim, hk, heads), dim=-1)
-    q, k = F.normalize(qk.reshape(steps, 2, heads, 1, k_dim), dim=-1, eps=1e-6).unbind(1)
-    decay = torch.sigmoid(gate.reshape(steps, heads, k_dim, 1) + w.a_bias)  # [T, H, K, 1]
-    beta = torch.sigmoid(strength).reshape(steps, heads, 1, 1)
-    k_row = k.contiguous()  # [T, H, 1, K]
-    k_col = (beta * k).transpose(-1, -2).contiguous()  # beta k as a column, [T, H, K, 1]
-    v = v.reshape(steps, heads, 1, v_dim)
-    reads = torch.empty(steps, heads, 1, v_dim)
-    snapshot = None
+    qk = qk.reshape(steps, 2, heads, k_dim)
+    qk = (qk / qk.norm(dim=-1, keepdim=True).clamp_min(1e-6)).permute(2, 1, 0, 3).contiguous()
+    log_decay = F.logsigmoid(gate.view(steps, heads, k_dim) + w.a_bias.view(heads, k_dim))
+    log_decay = log_decay.transpose(0, 1)  # [H, T, K]
+    beta = torch.sigmoid(strength).T.unsqueeze(-1)  # [H, T, 1]
+    v = v.view(steps, heads, v_dim).transpose(0, 1)  # [H, T, V]
+    reads, snapshot = [], None
     for first in range(0, steps, KDA_BLOCK):
         last = min(steps, first + KDA_BLOCK)
-        states = torch.empty(last - first, heads, k_dim, v_dim)  # the state after each token
-        prev = state
-        for s, a, k_t, bk_t, v_t in zip(states.unbind(0), decay[first:last].unbind(0),
-                                        k_row[first:last].unbind(0),
-                                        k_col[first:last].unbind(0), v[first:last].unbind(0)):
-            torch.mul(prev, a, out=s)
-            s.addcmul_(bk_t, torch.baddbmm(v_t, k_t, s, alpha=-1))  # error = v - S^T k
-            prev = s
-        torch.matmul(q[first:last], states, out=reads[first:last])
-        if first < split <= last:
-            snapshot = states[split - 1 - first].clone()
-        state = states[-1].clone()
-    return hidden + reads.view(steps, heads * v_dim) @ w.wo, state, snapshot
+        part = slice(first, last) if steps > KDA_BLOCK else slice(None)
+        at = split - 1 - first if first < split <= last else None
+        state, block_reads, taken = _kda_block(qk[:, :, part], v[:, part], log_decay[:, part],
+                                               beta[:, part], state, at)
+        reads.append(block_reads)
+        snapshot = taken if at is not None else snapshot
+    reads = reads[0] if len(reads) == 1 else torch.cat(reads, dim=1)
+    return torch.addmm(hidden, reads.transpose(0, 1).reshape(steps, -1), w.wo), state, snapshot
 
+
+def _kda_block(qk: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, at: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The recurrence over a block of n tokens at once, in the exact chunkwise form of the delta
+    rule: returns (state after the block, reads `[H, n, V]`, the state after token `at` or None).
+
+    With G_t = a_0 ... a_t (per key channel) and S the state before the block, unrolling gives
+    S_t = G_t (S + sum_{i<=t} k_i u_i^T / G_i), where the corrections u_t = beta_t (v_t - k_t^T
+    diag(a_t) S_{t-1}) solve the unit lower-triangular system (I + beta A) u = beta (v - (G k) S),
+    A_ti = (G_t k_t)^T (k_i / G_i) for i < t; the reads S_t^T q_t = (G_t q_t)^T S + sum_{i<=t}
+    ((G_t q_t)^T (k_i / G_i)) u_i. Every product G_t / G_i that is used has t >= i, so equals the
+    decay between i and t; 1/G_i stays below e^MAX_BLOCK_LOG_DECAY (else the block is halved).
+    """
+    n = qk.shape[2]
+    log_g = log_decay.cumsum(1)
+    if n > 1 and log_g[:, -1].min() < -MAX_BLOCK_LOG_DECAY:
+        half = n // 2
+        early = at if at is not None and at < half else None
+        late = at - half if at is not None and at >= half else None
+        mid, first, taken = _kda_block(qk[:, :, :half], v[:, :half], log_decay[:, :half],
+                                       beta[:, :half], state, early)
+        end, second, later = _kda_block(qk[:, :, half:], v[:, half:], log_decay[:, half:],
+                                        beta[:, half:], mid, late)
+        return end, torch.cat((first, second), dim=1), taken if early is not None else later
+    heads = qk.shape[0]
+    g = torch.exp(log_g)  # [H, n, K]
+    k_in = qk[:, 1] / g  # k_i / G_i
+    decayed = (qk * g.unsqueeze(1)).reshape(heads, 2 * n, -1)  # G_t q_t, then G_t k_t
+    scores, a = (torch.bmm(decayed, k_in.transpose(1, 2)).view(heads, 2, n, n)
+                 * _kda_masks(n)).unbind(1)
+    from_state = torch.bmm(decayed, state).view(heads, 2, n, -1)
+    u = torch.linalg.solve_triangular(a.mul_(beta), beta * (v - from_state[:, 1]), upper=False,
+                                      unitriangular=True)
+    reads = torch.baddbmm(from_state[:, 0], scores, u)
+
+    def state_after(t: int) -> torch.Tensor:
+        k_t, u_t = (k_in, u) if t == n - 1 else (k_in[:, :t + 1], u[:, :t + 1])
+        return torch.baddbmm(state, k_t.transpose(1, 2), u_t).mul_(g[:, t].unsqueeze(-1))
+
+    return state_after(n - 1), reads, None if at is None else state_after(at)
+
+
+# --- MLA ------------------------------------------------------------------------------------------
 
 def mla_rows(w: MlaWeights, hidden: torch.Tensor, start: int) -> torch.Tensor:
     """What `hidden [T, d]` (first token at position `start`) caches in one MLA layer: one row
     `[latent | rotated key]` of `mla_latent_dim` values per token, `[T, row]`."""
-    x = rms_norm(hidden, w.norm)
-    return torch.cat((x @ w.w_dkv, rope(x @ w.w_kr, start)), dim=-1)
+    row = rms_norm(hidden, w.norm) @ w.w_row
+    latent = w.w_dkv.shape[1]
+    return torch.cat((row[:, :latent], rope(row[:, latent:], start)), dim=-1)
 
 
 def mla_span(w: MlaWeights, dims: Dims, hidden: torch.Tensor, start: int,
              rows: torch.Tensor) -> torch.Tensor:
     """Run one MLA layer over `hidden [T, d]` at positions `start..`, attending causally over `rows
     [start + T, row]`: every cached row of the sequence so far, this chunk's included. The key
-    and value up-projections are absorbed into the query and the output, as MLA inference does, so
-    attention reads nothing but the cached rows. Returns the new hidden `[T, d]`."""
-    steps, heads, latent_dim = hidden.shape[0], dims.mla_heads, dims.mla_latent
-    x = rms_norm(hidden, w.norm)
-    q = (x @ w.wq).view(steps, heads, 1, dims.mla_head_dim)
-    q_latent = (q @ w.w_uk.transpose(1, 2)).squeeze(2)  # [T, Hm, C]
-    q_rope = rope((x @ w.wqr).view(steps, heads, dims.rope_dim), start)
-    query = torch.cat((q_latent, q_rope), dim=-1).transpose(0, 1)  # [Hm, T, row]
-    scale = (dims.mla_head_dim + dims.rope_dim) ** -0.5
-    context = torch.empty(heads, steps, latent_dim)
+    and value up-projections are absorbed into the query and the output (`MlaWeights.w_query`,
+    `w_out`), as MLA inference does, so attention reads nothing but the cached rows. Returns the
+    new hidden `[T, d]`."""
+    steps, heads, latent = hidden.shape[0], dims.mla_heads, dims.mla_latent
+    query = (rms_norm(hidden, w.norm) @ w.w_query).view(steps, heads, dims.mla_row)
+    query = torch.cat((query[..., :latent], rope(query[..., latent:], start)), dim=-1)
+    context = []
     for first in range(0, steps, MLA_BLOCK):
         last = min(steps, first + MLA_BLOCK)
         seen = rows[:start + last]
-        scores = (query[:, first:last] @ seen.T) * scale  # [Hm, block, positions]
-        pos = torch.arange(start + first, start + last)
-        future = torch.arange(start + last)[None, :] > pos[:, None]
-        weights = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
-        context[:, first:last] = weights @ seen[:, :latent_dim]
-    values = context @ w.w_uv.transpose(1, 2)  # [Hm, T, Dv]
-    return hidden + values.transpose(0, 1).reshape(steps, -1) @ w.wo
+        block = query[first:last].reshape(-1, dims.mla_row)  # [block * Hm, row]
+        scores = (block @ seen.T).view(last - first, heads, -1)
+        future = torch.ones(last - first, start + last, dtype=torch.bool).triu_(start + first + 1)
+        weights = torch.softmax(scores.masked_fill_(future.unsqueeze(1), float("-inf")), dim=-1)
+        context.append(weights.view(-1, start + last) @ seen[:, :latent])  # [block * Hm, C]
+    context = context[0] if len(context) == 1 else torch.cat(context)
+    return torch.addmm(hidden, context.view(steps, heads * latent), w.w_out)

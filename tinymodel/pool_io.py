@@ -44,14 +44,16 @@ def check_pool(dims: Dims, pool: PagedPool) -> None:
                            + "; ".join(wrong))
 
 
-def read_state(pool: PagedPool, page: int, slot: int) -> torch.Tensor:
-    """A contiguous `[H, K, V]` copy of one layer's state (stored value-major per head)."""
-    view = pool.kda_view(page)[slot]
+def read_states(pool: PagedPool, page: int) -> torch.Tensor:
+    """A contiguous `[layer_slots, H, K, V]` copy of every layer's state in one KDA page (stored
+    value-major per head): one read per page and chunk."""
+    view = pool.kda_view(page)
     return torch.empty(view.shape, dtype=torch.float32).copy_(view)
 
 
-def write_state(pool: PagedPool, page: int, slot: int, state: torch.Tensor) -> None:
-    pool.kda_view(page)[slot].copy_(state)
+def write_states(pool: PagedPool, page: int, states: torch.Tensor) -> None:
+    """Store `[layer_slots, H, K, V]`, every layer's state, into one KDA page."""
+    pool.kda_view(page).copy_(states)
 
 
 def _spans(pages: Sequence[int], page_tokens: int, start: int,

@@ -9,7 +9,7 @@ the pages written by another.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,28 @@ class MlaWeights:
     w_uk: torch.Tensor  # [Hm, C, Dn]: key up-projection (absorbed into the query)
     w_uv: torch.Tensor  # [Hm, Dv, C]: value up-projection
     wo: torch.Tensor  # [Hm*Dv, d]
+
+    # derived once per layer, when the weights are built: the up-projections absorbed, as MLA
+    # inference does, so attention reads nothing but the cached rows and a span costs one matmul
+    # per projection
+    w_row: torch.Tensor = field(init=False, repr=False, compare=False)  # [d, C+R]
+    w_query: torch.Tensor = field(init=False, repr=False, compare=False)  # [d, Hm*(C+R)]
+    w_out: torch.Tensor = field(init=False, repr=False, compare=False)  # [Hm*C, d]
+
+    def __post_init__(self) -> None:
+        """`w_row`: what a token caches, `[latent | key before rotation]`. `w_query`: per head
+        `[wq_h w_uk_h^T | wqr_h]` (the key up-projection absorbed into the query; the rotary part
+        rotates after), pre-scaled by 1/sqrt(Dn + R). `w_out`: per head `w_uv_h^T wo_h`, from the
+        attended latent to the residual."""
+        heads, _, head_dim = self.w_uk.shape
+        d, rope_dim, value_dim = self.wq.shape[0], self.wqr.shape[1] // heads, self.w_uv.shape[1]
+        absorbed = torch.einsum("jhn,hcn->jhc", self.wq.view(d, heads, head_dim), self.w_uk)
+        query = torch.cat((absorbed, self.wqr.view(d, heads, rope_dim)), dim=2)
+        wo = self.wo.view(heads, value_dim, -1)
+        object.__setattr__(self, "w_row", torch.cat((self.w_dkv, self.w_kr), dim=1))
+        object.__setattr__(self, "w_query",
+                           (query * (head_dim + rope_dim) ** -0.5).reshape(d, -1))
+        object.__setattr__(self, "w_out", (self.w_uv.transpose(1, 2) @ wo).reshape(-1, d))
 
 
 @dataclass(frozen=True)

@@ -102,10 +102,27 @@ class Steps:
     rung_class: CkClass = "rung"
     rung_pages: int = 1  # a rung every this many page ends
     last_rung_only: bool = False  # only the deepest page end crossed
+    last_rung_spec: bool = False  # the deepest rung is `spec_class` too
     spec_class: CkClass | None = None  # when set, the class of every rung but the deepest
     spec_free_only: bool = False  # a `spec` checkpoint is written only into free pages (no eviction)
+    promote_spec: bool = False  # a `spec` checkpoint that is restored from becomes a `rung`
+    admit: tuple[str, ...] = ()  # classes written only if their value beats what eviction takes
+    admit_ratio: float = 1.0
+    rung_min_age: float = 0.0  # write a rung only if the last evicted entry was last used at least
+                               # this many ticks ago (pressure-aware admission); 0: always
     turn_end: bool = True  # write the turn-end checkpoint (the last pass)
     demote_restored: bool = False  # the turn end supersedes the checkpoint the request restored
+    demote_classes: tuple[str, ...] = ("turn", "superseded")  # which restored classes it demotes
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the index tells the scheduler about a new request (`RequestPlan`)."""
+
+    hit_tokens: int
+    match_tokens: int
+    input_tokens: int
+    hit_class: str | None  # the class of the checkpoint it restores from
 
 
 @dataclass(frozen=True)
@@ -122,12 +139,15 @@ class Scorer:
     recency: float = 1.0
     bonus: tuple[tuple[str, float], ...] = ()
     depth: float = 0.0
-    depth_term: Literal["prefix", "gain"] = "prefix"
+    depth_term: Literal["prefix", "gain", "ck-prefix"] = "prefix"
     anchor_classes: tuple[str, ...] = ("turn", "branch", "rung")
     clock: Literal["tick", "gds"] = "tick"
     fresh: Literal["zero", "tick"] = "zero"
     hit_bonus: float = 0.0  # added once an entry has been hit (restored from / pinned as anchor)
     freq: float = 0.0  # the value term is multiplied by 1 + freq * hits
+    value_weight: tuple[tuple[str, float], ...] = ()  # per-class multiplier of the value term (1)
+    value_cap: float = math.inf  # the value term (tokens per page id, after weights) is capped here
+    gds_tie: float = 0.0  # with clock="gds": last_used = inflation value + gds_tie * plan tick
 
     def bonus_of(self, cls: str) -> float:
         return dict(self.bonus)[cls]
@@ -144,8 +164,8 @@ class Scorer:
 class Policy:
     name: str
     geometry: Geometry
-    # the same Steps for every request, or (hit tokens, match tokens, input length) -> Steps
-    steps: Steps | Callable[[int, int, int], Steps]
+    # the same Steps for every request, or one per request from what its lookup found
+    steps: Steps | Callable[[Lookup], Steps]
     scorer: Scorer = field(default_factory=lambda: Scorer.from_weights(lru()))
     unlimited_only: bool = False  # the oracle: no capacity, by definition
 
@@ -251,6 +271,8 @@ class Model:
         self.p, self.geo, self.capacity = policy, policy.geometry, capacity
         self.fresh_lu = policy.scorer.fresh
         self.gds = policy.scorer.clock == "gds"
+        self.evicted_lu = -math.inf  # last_used of the most recently evicted entry
+        self.evicted_v: float | None = None  # moving average of evicted entries' score - last_used
         self.clock = 0.0
         self.B, self.PB = self.geo.block_tokens, self.geo.blocks_per_page
         self.ratio = self.B // TRACE_BLOCK
@@ -264,6 +286,7 @@ class Model:
         sc = policy.scorer
         self._bonus = dict(sc.bonus)
         self._rank = {c: self._bonus[c] for c in sc.anchor_classes}
+        self._prior = dict(sc.value_weight)
 
     def now(self) -> float:
         """The last-used stamp: the plan tick, or the GreedyDual inflation value."""
@@ -274,23 +297,34 @@ class Model:
         sc = self.p.scorer
         if isinstance(obj, _Ckpt):
             value = (obj.gain if sc.depth_term == "gain" else obj.depth) * (1 + sc.freq * obj.hits)
-            return (sc.recency * obj.lu + self._bonus[obj.cls] + sc.depth * value / self.geo.kda_groups
+            return (sc.recency * obj.lu + self._bonus[obj.cls]
+                    + sc.depth * min(sc.value_cap, self._prior.get(obj.cls, 1.0) * value / self.geo.kda_groups)
                     + (sc.hit_bonus if obj.hits else 0.0))
         bonus = self._bonus["mla"]
         for cls, n in obj.anchored.items():
             if n > 0 and cls in self._rank:
                 bonus = max(bonus, self._rank[cls])
-        if sc.depth_term == "gain":  # it lives and dies with its checkpoints
-            value = (sum(c.gain * (1 + sc.freq * c.hits) for c in obj.cks)
+        if sc.depth_term in ("gain", "ck-prefix"):  # it lives and dies with its checkpoints
+            value = (sum((c.gain if sc.depth_term == "gain" else c.depth) * (1 + sc.freq * c.hits)
+                         * self._prior.get(c.cls, 1.0) for c in obj.cks)
                      / (self.geo.mla_groups + self.geo.kda_groups * len(obj.cks)))
         else:
             value = obj.depth / self.geo.mla_groups
-        return sc.recency * obj.lu + bonus + sc.depth * value + (sc.hit_bonus if obj.hits else 0.0)
+        return (sc.recency * obj.lu + bonus + sc.depth * min(sc.value_cap, value)
+                + (sc.hit_bonus if obj.hits else 0.0))
 
     def _touch(self, obj: _Page | _Ckpt) -> None:
         obj.ver += 1
         if obj.alive and obj.ref == 0 and (isinstance(obj, _Ckpt) or (obj.registered and obj.kids == 0)):
             heapq.heappush(self.heap, (self._score(obj), obj.seq, obj.ver, obj))
+
+    def _head_score(self) -> float | None:
+        while self.heap:
+            score, _, ver, obj = self.heap[0]
+            if obj.alive and obj.ver == ver:  # type: ignore[attr-defined]
+                return score
+            heapq.heappop(self.heap)
+        return None
 
     def _evict_one(self) -> bool:
         while self.heap:
@@ -298,6 +332,9 @@ class Model:
             if obj.alive and obj.ver == ver:  # type: ignore[attr-defined]
                 if self.gds:
                     self.clock = max(self.clock, score)
+                self.evicted_lu = obj.lu  # type: ignore[attr-defined]
+                v = score - obj.lu  # type: ignore[attr-defined]
+                self.evicted_v = v if self.evicted_v is None else 0.99 * self.evicted_v + 0.01 * v
                 if isinstance(obj, _Ckpt):
                     self._drop_ck(obj)
                     self.stats.evicted_pages += self.geo.kda_groups
@@ -377,8 +414,12 @@ class Model:
         hit = self.kda_match(chain, match) if kda and match else match
         steps = self.p.steps
         if not isinstance(steps, Steps):
-            steps = steps(hit * self.B, match * self.B, length)
+            hit_class = self.ck[chain[hit - 1]].cls if kda and hit else None
+            steps = steps(Lookup(hit * self.B, match * self.B, length, hit_class))
         self.spec_free_only = steps.spec_free_only
+        self.rung_min_age = steps.rung_min_age
+        self.admit = steps.admit
+        self.admit_ratio = steps.admit_ratio
         r = _Request(chain, length)
         r.pos = r.reg = r.prev_ck = hit
         self.stats.requests += 1
@@ -399,8 +440,12 @@ class Model:
         try:
             for n, (stop, cls) in enumerate(self._stops(hit, match, length, steps)):
                 self._step(r, stop, cls if steps.checkpoint else None, first=n == 0)
-            if steps.demote_restored and hit_ck is not None:
-                self._reclass(hit_ck, "superseded")
+            if steps.promote_spec and hit_ck is not None and hit_ck.cls == "spec":
+                self._reclass(hit_ck, "rung")
+            if steps.demote_restored and hit_ck is not None and hit_ck.cls in steps.demote_classes:
+                # a turn end this request continued past is superseded by its deeper checkpoint;
+                # a hit that does not go deeper (an exact repeat) promotes it back
+                self._reclass(hit_ck, "superseded" if r.prev_ck > hit else "turn")
         except Refused:
             self.stats.refused += 1
             if not r.has_state:  # refused at its first plan: served without the cache
@@ -418,7 +463,7 @@ class Model:
             step = pt * steps.rung_pages
             rungs = range((start // step + 1) * step, length, step)
             for p in rungs[-1:] if steps.last_rung_only else rungs:
-                deepest = p == rungs[-1]
+                deepest = p == rungs[-1] and not steps.last_rung_spec
                 marks.setdefault(p, steps.rung_class if deepest or not steps.spec_class
                                  else steps.spec_class)
         if steps.stop_at_match and match > hit:
@@ -440,6 +485,12 @@ class Model:
         self.tick += 1
         new_slots = -(-stop // PT) - (r.shared + len(r.own))
         want_ck = cls is not None and kda > 0 and stop // B > r.pos // B
+        if want_ck and cls == "rung" and self.rung_min_age and self.tick - self.evicted_lu < self.rung_min_age:
+            want_ck = False
+        if want_ck and cls in self.admit and self.capacity is not None and self.evicted_v is not None:
+            cand = _Ckpt(-1, -1, stop // B, r.own[-1] if r.own else r.anchor, cls, 0.0,
+                         (stop // B) * B, (stop // B - r.prev_ck) * B)  # type: ignore[arg-type]
+            want_ck = self._score(cand) > self.admit_ratio * self.evicted_v
         if want_ck and cls == "spec" and self.spec_free_only and self.capacity is not None:
             free = self.capacity - self.used - new_slots * self.geo.mla_groups - (kda if first else 0)
             want_ck = free >= kda
