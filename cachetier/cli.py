@@ -282,8 +282,8 @@ def _add_demo_parser(commands: Any) -> None:
     from cachetier.checkpoint_policy import POLICIES
     demo = commands.add_parser("demo", help="the local cluster serving multi-turn sessions through "
                                             "the tiny hybrid model, every hit verified")
-    demo.add_argument("--sessions", type=int, default=12, help="sessions (default 12)")
-    demo.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
+    demo.add_argument("--sessions", type=int, default=24, help="sessions (default 24)")
+    demo.add_argument("--turns", type=int, default=5, help="turns per session (default 5)")
     demo.add_argument("--chunk", type=int, default=48, metavar="TOKENS",
                       help="chunked-prefill size, any number of tokens (default 48)")
     demo.add_argument("--policy", choices=sorted(POLICIES), default="branch",

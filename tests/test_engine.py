@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,15 @@ SMALL = SessionSpec(sessions=3, turns=2, system_prompts=2, tool_sets=1, system_t
                     tool_tokens=(5, 20), message_tokens=(3, 15), tool_output_tokens=(5, 30),
                     reply_tokens=(3, 10), fork_fraction=0.4, think_steps=(0, 2))
 _pools = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The tiny model's matmuls only lose from a thread pool on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @dataclass
