@@ -423,10 +423,6 @@ class ReferenceIndex:
         h = self._h(blob, blocks)
         existing = self.s.ck.get(h)
         e = self.s.ep.get(h)
-        if e is not None:
-            z = self.s.pages[e[0]]
-            if z["rf"] < e[1] and z["owner"] != rid:
-                e = None
         ck_lead, r["ck"] = r["ck"], -1
         if existing is not None or e is None:
             self._free_set(self.s.pages[ck_lead])

@@ -3,13 +3,15 @@
 Prompt A is prefilled once per module through the pool, in chunks that cross hash blocks mid-chunk,
 leaving its MLA pages and one checkpoint per crossed block; later tests resume other requests from
 those pages, always through copies (restore, copy-on-write) so A's shared pages stay untouched.
+Tensor-parallel runs use pools of their own, one per rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ BLOCK, PAGE = TINY.cache.hash_block_tokens, TINY.cache.page_tokens
 PROMPT = np.random.default_rng(7).integers(0, 2**32, 150, dtype=np.uint64)
 A_BOUNDS = (0, 40, 70, 110, 128, 150)  # snapshots at 32, 64, 96, 144 inside a chunk, 128 at its end
 SCRATCH = range(200, 256)  # reused by every hypothesis example: stale bytes are always there
+RankPools = Callable[[int, int], list[PagedPool]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,15 @@ class Prefilled:
 
     mla: list[list[int]]
     snapshots: dict[int, list[int]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model's matmuls only lose from a thread pool (they wait on its barriers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +61,17 @@ def model() -> TinyHybrid:
 def pool() -> Iterator[PagedPool]:
     with PagedPool.create(TINY.model, TINY.cache) as p:
         yield p
+
+
+@pytest.fixture
+def rank_pools() -> Iterator[RankPools]:
+    """Creates the pools of every rank of TINY's model at a TP degree, closed after the test."""
+    with contextlib.ExitStack() as stack:
+        def create(degree: int, num_pages: int) -> list[PagedPool]:
+            spec = dataclasses.replace(TINY.model, tp_degree=degree)
+            cache = dataclasses.replace(TINY.cache, num_pages=num_pages)
+            return [stack.enter_context(PagedPool.create(spec, cache)) for _ in range(degree)]
+        yield create
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +101,9 @@ def slots(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
-def prefill(model: TinyHybrid, pool: PagedPool, tokens: Sequence[int] | np.ndarray,
-            bounds: Sequence[int], mla: list[list[int]], state: list[int],
-            ids: Iterator[int]) -> tuple[torch.Tensor, dict[int, list[int]]]:
+def prefill(model: TinyHybrid, pool: PagedPool | Sequence[PagedPool],
+            tokens: Sequence[int] | np.ndarray, bounds: Sequence[int], mla: list[list[int]],
+            state: list[int], ids: Iterator[int]) -> tuple[torch.Tensor, dict[int, list[int]]]:
     """Run the chunks [bounds[i], bounds[i+1]) one step each, snapshotting as the index plans it:
     at the last hash-block boundary of every chunk that crosses one, into fresh pages."""
     outputs, snapshots = [], {}
@@ -280,7 +303,6 @@ def test_the_model_sizes_are_the_pool_layout(model: TinyHybrid, pool: PagedPool)
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"tp_degree": 2}, "tp_degree=2"),
     ({"mla_dtype": "bfloat16"}, "mla_dtype='bfloat16'"),
     ({"kda_state_dtype": "bfloat16"}, "kda_state_dtype='bfloat16'"),
     ({"mla_latent_dim": 4}, "no latent beside rope_dim=4"),
@@ -292,7 +314,7 @@ def test_a_spec_the_model_cannot_serve_is_refused(change: dict[str, object], mes
 
 def test_a_pool_laid_out_for_another_model_is_refused(model: TinyHybrid) -> None:
     other = dataclasses.replace(TINY.model, mla_latent_dim=32, kda_heads=2)
-    mismatch = "KDA heads per rank: model 4, pool 2.*MLA token row bytes: model 64, pool 128"
+    mismatch = "KDA heads: model 4, pool 2.*MLA token row bytes: model 64, pool 128"
     with (PagedPool.create(other, dataclasses.replace(TINY.cache, num_pages=4)) as pool,
           pytest.raises(PoolMismatch, match=mismatch)):
         model.forward(pool, [ChunkRequest(PROMPT, 0, 4, [[0]], [1, 2, 3])])
@@ -346,3 +368,80 @@ def test_a_request_plan_maps_onto_a_chunk() -> None:
     assert (chunk.mla_pages, chunk.state_pages, chunk.snapshot_pages) == ([[7, 8]], [1, 2, 3],
                                                                          [4, 5, 6])
     assert not chunk.fresh_state
+
+
+def test_the_weights_do_not_depend_on_the_tp_degree(model: TinyHybrid,
+                                                    reference: torch.Tensor) -> None:
+    other = TinyHybrid(dataclasses.replace(TINY.model, tp_degree=4), seed=1)
+    assert other.dims == model.dims
+    assert torch.equal(other.weights.kda[2][1].w_in, model.weights.kda[2][1].w_in)
+    assert torch.equal(other.recompute(PROMPT), reference)  # the same ops on the same weights
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_a_tensor_parallel_forward_matches_recompute(model: TinyHybrid, reference: torch.Tensor,
+                                                     rank_pools: RankPools, degree: int) -> None:
+    pools = rank_pools(degree, 18)
+    mla = [[0, 1, 2]]
+    outputs, snapshots = prefill(model, pools, PROMPT, [0, 40, 70, 150], mla, [3, 4, 5],
+                                 iter(range(6, 15)))
+    assert outputs_match(outputs, reference) and list(snapshots) == [32, 64, 144]
+    state = [15, 16, 17]
+    for pool in pools:  # every rank restores its own share of the checkpoint
+        restore(pool, snapshots[64], state)
+    [out] = model.forward(pools, [ChunkRequest(PROMPT, 64, 80, mla, state)])
+    assert outputs_match(out, reference[64:80])
+
+
+def test_each_rank_pool_holds_exactly_its_heads(model: TinyHybrid,
+                                                rank_pools: RankPools) -> None:
+    """The same chunks on one TP=1 pool and on two TP=2 pools (full of stale bytes): rank r's KDA
+    pages hold the TP=1 bytes of its heads at its own head offsets, its MLA pages the same rows,
+    and no other byte changes."""
+    [single], pools = rank_pools(1, 11), rank_pools(2, 11)
+    before = [fill_with_garbage(pool, seed=rank) for rank, pool in enumerate(pools)]
+    bounds, mla, state = [0, 23, 80], [[0, 1]], [2, 3, 4]
+    _, snapshots = prefill(model, single, PROMPT[:80], bounds, mla, state, iter(range(5, 11)))
+    prefill(model, pools, PROMPT[:80], bounds, mla, state, iter(range(5, 11)))
+    kda_pages = state + [page for pages in snapshots.values() for page in pages]
+    mla_rows = [(0, single.layout.mla_token_range(0, PAGE)),
+                (1, single.layout.mla_token_range(0, 80 - PAGE))]
+    for rank, pool in enumerate(pools):
+        expected = before[rank].view(-1).clone()
+        for slot in range(pool.layout.layer_slots):
+            for page, head in itertools.product(kda_pages, pool.layout.rank_heads(rank)):
+                put(expected, pool, single, page, slot, pool.layout.kda_head_range(head, rank),
+                    single.layout.kda_head_range(head))
+            for page, tokens in mla_rows:
+                put(expected, pool, single, page, slot, tokens, tokens)
+        assert torch.equal(pool.buffer.view(-1), expected), f"rank {rank}"
+
+
+def put(expected: torch.Tensor, pool: PagedPool, source: PagedPool, page: int, slot: int,
+        at: ByteRange, within: ByteRange) -> None:
+    """Write `within` (a range of one slot of `source`'s page) into `expected`, a flat buffer laid
+    out as `pool`, at `at` in the same page and slot."""
+    where = pool.layout.buffer_range(page, slot, at)
+    what = source.layout.buffer_range(page, slot, within)
+    expected[where.offset:where.end] = source.buffer.view(-1)[what.offset:what.end]
+
+
+def fill_with_garbage(pool: PagedPool, seed: int) -> torch.Tensor:
+    data = torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+    pool.buffer.copy_(data)
+    return data
+
+
+@pytest.mark.parametrize("ranks, message", [
+    (lambda new: new(2, 4)[:1], "1 pools given for a layout of tp_degree=2"),
+    (lambda new: new(1, 4) + new(1, 4), "2 pools given for a layout of tp_degree=1"),
+    (lambda new: new(2, 4)[:1] + new(2, 5)[1:], r"ranks \[1\] are laid out for another model"),
+    (lambda new: new(2, 4)[:1] * 2, "one pool is given for two ranks"),
+    (lambda new: [], "no pool given"),
+], ids=["too-few", "too-many", "other-cache", "same-pool-twice", "none"])
+def test_pools_that_are_not_the_ranks_of_one_layout_are_refused(
+        model: TinyHybrid, rank_pools: RankPools,
+        ranks: Callable[[RankPools], list[PagedPool]], message: str) -> None:
+    with pytest.raises(PoolMismatch, match=message):
+        model.forward(ranks(rank_pools), [ChunkRequest(PROMPT, 0, 4, [[0]], [1, 2, 3])])

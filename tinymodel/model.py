@@ -2,8 +2,10 @@
 
 Block `i` runs layer slot `i` of every KDA group, then layer slot `i` of every MLA group, the same
 order in which `ModelSpec` assigns layers to page slots. `forward` reads and writes every reused
-byte of state through the pool (`pool_io`); `recompute` runs the same span math (`ops`) from
-scratch on plain tensors. A run resumed from any cache hit is correct exactly when its outputs match
+byte of state through the pool (`pool_io`), or through one pool per tensor-parallel rank: the
+weights do not depend on the TP degree, so pages written at one degree and re-sharded on the
+transfer path resume at another; `recompute` runs the same span math (`ops`) from scratch on plain
+tensors. A run resumed from any cache hit is correct exactly when its outputs match
 `recompute`: that comparison is the oracle of the end-to-end, concurrency and chaos tests.
 """
 
@@ -36,6 +38,8 @@ class TinyHybrid:
     """Random fp32 weights on CPU, fixed by `seed`; `free` overrides the sizes `Dims` leaves free
     (`d_model`, `vocab`, `out_dim`, `rope_dim`, MLA attention heads). Token ids are taken modulo
     `vocab`, so any uint32 prompt is valid. Raises `UnsupportedModel` for a spec it cannot serve.
+    The weights ignore `spec.tp_degree`: a model built for TP=s computes what one built for TP=d
+    does, so either checks pages written by the other and re-sharded between them.
 
     A span costs a few hundred tiny torch ops (~0.1-0.2 ms per token for chunks of 16-64 tokens).
     The model changes no global torch setting: a process sharing a busy CPU should call
@@ -47,22 +51,25 @@ class TinyHybrid:
         self.dims = Dims.from_spec(spec, **free)
         self.weights: Weights = init_weights(self.dims, seed)
 
-    def check_pool(self, pool: PagedPool) -> None:
-        """Raise `PoolMismatch` unless `pool`'s layout holds exactly this model's caches."""
-        pool_io.check_pool(self.dims, pool)
+    def check_pool(self, pools: PagedPool | Sequence[PagedPool]) -> None:
+        """Raise `PoolMismatch` unless `pools` (one pool, or one per rank in rank order) are the
+        ranks of one layout that holds exactly this model's caches."""
+        pool_io.checked_ranks(self.dims, pools)
 
-    def forward(self, pool: PagedPool, batch: Sequence[ChunkRequest]) -> list[torch.Tensor]:
-        """Run every chunk of `batch` through the pool; returns per chunk `[stop - start, out_dim]`.
+    def forward(self, pools: PagedPool | Sequence[PagedPool],
+                batch: Sequence[ChunkRequest]) -> list[torch.Tensor]:
+        """Run every chunk of `batch` through the pool, or through the pools of every rank (in rank
+        order, one page table for all); returns per chunk `[stop - start, out_dim]`.
 
         Chunks run one after the other: within a step no request reads what another one writes
         (the index never matches pages pending in the same step), so the order does not matter.
         """
-        self.check_pool(pool)
-        page_tokens = pool.layout.cache.page_tokens
+        ranks = pool_io.checked_ranks(self.dims, pools)
+        page_tokens = ranks[0].layout.cache.page_tokens
         for request in batch:
             request.check(self.dims, page_tokens)
         with torch.inference_mode():  # thread-local: skips autograd bookkeeping on every tiny op
-            outputs = [self._forward_one(pool, request) for request in batch]
+            outputs = [self._forward_one(ranks, request) for request in batch]
         return [out.clone() for out in outputs]  # normal tensors, free to modify in place
 
     def recompute(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
@@ -85,12 +92,12 @@ class TinyHybrid:
                 hidden = ops.mla_span(layer, dims, hidden, 0, rows)
         return self._head(hidden)
 
-    def _forward_one(self, pool: PagedPool, r: ChunkRequest) -> torch.Tensor:
+    def _forward_one(self, ranks: list[PagedPool], r: ChunkRequest) -> torch.Tensor:
         dims, w = self.dims, self.weights
         hidden = self._embed(r.tokens[r.start:r.stop])
         split = r.snapshot_tokens - r.start if r.snapshot_tokens else 0
         states = [torch.zeros(dims.blocks, dims.kda_heads, dims.kda_k, dims.kda_v)
-                  if r.fresh_state else pool_io.read_states(pool, page)
+                  if r.fresh_state else pool_io.read_states(ranks, page)
                   for page in r.state_pages]  # per group `[slot, H, K, V]`, updated in place
         snapshots: list[list[torch.Tensor]] = [[] for _ in r.state_pages]
         for block in range(dims.blocks):
@@ -103,13 +110,14 @@ class TinyHybrid:
             for group in range(dims.mla_groups):
                 layer, pages = w.mla[group][block], r.mla_pages[group]
                 new_rows = ops.mla_rows(layer, hidden, r.start)
-                pool_io.write_rows(pool, pages, block, r.start, new_rows)
-                rows = pool_io.read_rows(pool, pages, block, r.stop)
+                pool_io.write_rows(ranks, pages, block, r.start, new_rows)
+                rows = pool_io.read_rows(ranks[0], pages, block, r.stop)
                 hidden = ops.mla_span(layer, dims, hidden, r.start, rows)
         for group, page in enumerate(r.state_pages):
-            pool_io.write_states(pool, page, states[group])
+            pool_io.write_states(ranks, page, states[group])
             if r.snapshot_tokens:
-                pool_io.write_states(pool, r.snapshot_pages[group], torch.stack(snapshots[group]))
+                pool_io.write_states(ranks, r.snapshot_pages[group],
+                                     torch.stack(snapshots[group]))
         return self._head(hidden)
 
     def _embed(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:

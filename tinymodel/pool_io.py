@@ -4,6 +4,12 @@ Everything a chunk reuses from earlier chunks or from other requests passes thro
 so the oracle (`TinyHybrid.recompute`, which never calls them) checks exactly the bytes the cluster
 stored, restored and copied. Reads go through `PagedPool`'s typed views, so a debug pool refuses a
 page of the wrong kind, and a non-debug pool returns the other layout's bytes (visible garbage).
+
+A model of tensor-parallel degree n runs over n pools, one per rank, sharing one page table (a page
+id names the same page on every rank, as the index hands them out). A pool does not know its rank
+(its agent does), so the caller's order is the rank order. Each rank's KDA pages hold its own
+heads, as `PageLayout.rank_heads` assigns them; MLA rows are replicated: written to every rank and
+read from rank 0.
 """
 
 from __future__ import annotations
@@ -20,6 +26,28 @@ class PoolMismatch(ValueError):
     """The pool's page layout does not hold this model's caches."""
 
 
+def checked_ranks(dims: Dims, pools: PagedPool | Sequence[PagedPool]) -> list[PagedPool]:
+    """The ranks' pools in rank order (a lone pool is the only rank of TP=1), once they are
+    checked to be ranks 0..n-1 of one layout that holds this model: a pool of another degree or
+    model would otherwise be read at the wrong head offsets without any error."""
+    ranks = [pools] if isinstance(pools, PagedPool) else list(pools)
+    if not ranks:
+        raise PoolMismatch("no pool given: a model runs over at least one rank")
+    for pool in ranks:
+        check_pool(dims, pool)
+    layout = ranks[0].layout
+    if layout.model.tp_degree != len(ranks):
+        raise PoolMismatch(f"{len(ranks)} pools given for a layout of tp_degree="
+                           f"{layout.model.tp_degree}: one pool per rank is needed")
+    other = [rank for rank, pool in enumerate(ranks) if pool.layout != layout]
+    if other:
+        raise PoolMismatch(f"ranks {other} are laid out for another model or cache than rank 0")
+    if len({id(pool) for pool in ranks}) != len(ranks):
+        raise PoolMismatch("one pool is given for two ranks: their heads would overwrite each "
+                           "other")
+    return ranks
+
+
 def check_pool(dims: Dims, pool: PagedPool) -> None:
     """Compare the model's cache sizes with the pool's layout, naming every difference: a pool laid
     out for another model would otherwise be read at the wrong offsets without any error."""
@@ -28,7 +56,7 @@ def check_pool(dims: Dims, pool: PagedPool) -> None:
         "kda_groups": (dims.kda_groups, spec.kda_groups),
         "mla_groups": (dims.mla_groups, spec.mla_groups),
         "layer slots": (dims.blocks, pool.layout.layer_slots),
-        "KDA heads per rank": (dims.kda_heads, spec.heads_per_rank),
+        "KDA heads": (dims.kda_heads, spec.kda_heads),
         "MLA token row bytes": (dims.mla_row * 4, spec.mla_token_bytes),
         "MLA dtype": (torch.float32, pool.layout.mla_dtype),
     }
@@ -44,16 +72,24 @@ def check_pool(dims: Dims, pool: PagedPool) -> None:
                            + "; ".join(wrong))
 
 
-def read_states(pool: PagedPool, page: int) -> torch.Tensor:
-    """A contiguous `[layer_slots, H, K, V]` copy of every layer's state in one KDA page (stored
-    value-major per head): one read per page and chunk."""
-    view = pool.kda_view(page)
-    return torch.empty(view.shape, dtype=torch.float32).copy_(view)
+def read_states(ranks: Sequence[PagedPool], page: int) -> torch.Tensor:
+    """A contiguous `[layer_slots, H, K, V]` copy of every layer's state in one KDA page, every
+    rank contributing its heads (stored value-major per head): one read per rank, page and chunk."""
+    layout = ranks[0].layout
+    states = torch.empty(layout.layer_slots, layout.model.kda_heads, layout.model.kda_head_k_dim,
+                         layout.model.kda_head_v_dim)
+    for rank, pool in enumerate(ranks):
+        heads = layout.rank_heads(rank)
+        states[:, heads.start:heads.stop].copy_(pool.kda_view(page))
+    return states
 
 
-def write_states(pool: PagedPool, page: int, states: torch.Tensor) -> None:
-    """Store `[layer_slots, H, K, V]`, every layer's state, into one KDA page."""
-    pool.kda_view(page).copy_(states)
+def write_states(ranks: Sequence[PagedPool], page: int, states: torch.Tensor) -> None:
+    """Store `[layer_slots, H, K, V]`, every layer's state, into one KDA page: each rank's heads
+    into that rank's pool."""
+    for rank, pool in enumerate(ranks):
+        heads = pool.layout.rank_heads(rank)
+        pool.kda_view(page).copy_(states[:, heads.start:heads.stop])
 
 
 def _spans(pages: Sequence[int], page_tokens: int, start: int,
@@ -69,16 +105,19 @@ def _spans(pages: Sequence[int], page_tokens: int, start: int,
     return spans
 
 
-def write_rows(pool: PagedPool, pages: Sequence[int], slot: int, start: int,
+def write_rows(ranks: Sequence[PagedPool], pages: Sequence[int], slot: int, start: int,
                rows: torch.Tensor) -> None:
-    """Store `rows [T, row]` as positions [start, start + T) of one layer of a page table."""
-    page_tokens = pool.layout.cache.page_tokens
+    """Store `rows [T, row]` as positions [start, start + T) of one layer of a page table, on
+    every rank (the latent is replicated)."""
+    page_tokens = ranks[0].layout.cache.page_tokens
     for page, first, last, done in _spans(pages, page_tokens, start, start + rows.shape[0]):
-        pool.mla_view(page)[slot, first:last].copy_(rows[done:done + last - first])
+        for pool in ranks:
+            pool.mla_view(page)[slot, first:last].copy_(rows[done:done + last - first])
 
 
 def read_rows(pool: PagedPool, pages: Sequence[int], slot: int, stop: int) -> torch.Tensor:
-    """Positions [0, stop) of one layer of a page table, as a new `[stop, row]` tensor (stop>0)."""
+    """Positions [0, stop) of one layer of a page table, as a new `[stop, row]` tensor (stop>0).
+    The caller passes rank 0's pool: every rank holds the same rows."""
     page_tokens = pool.layout.cache.page_tokens
     pieces = [pool.mla_view(page)[slot, first:last]
               for page, first, last, _ in _spans(pages, page_tokens, 0, stop)]

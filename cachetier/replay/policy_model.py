@@ -3,77 +3,117 @@
 A request is its prefix-chained hash ids (one per 512-token block of the trace, the last maybe
 partial) and its input length; requests are served one at a time in timestamp order (stable), and
 each request's input end is its turn end (see `traces`). The model restates the index's rules
-(index/lua: plan_step, commit, release, lib.lua's eviction) closely enough that every per-request
-decision maps onto a `StepRequest` / `CommitItem` of the real index:
+(index/lua: plan_step, commit, release, lib.lua's eviction) so that every per-request decision maps
+onto a `StepRequest` / `CommitItem` of the real index.
 
-Lookup (plan_step). usable = min(complete blocks, floor((L - 1) / B)) so at least one token is
+Lookup (plan_step). usable = min(complete blocks, floor((L - 1) / B)), so at least one token is
 computed. MLA match m: binary search over page-end endpoints (prefix-closed), then the endpoints of
 the first missing page, deepest first. Hit: the deepest boundary k <= m (in hash blocks) holding a
 checkpoint (full-attention pools: k = m). Token-weighted hit ratio = sum(k * B) / sum(L).
 
-Steps. The prefill runs from the hit to L in forward passes; each pass that crosses a hash block
+Passes. The prefill runs from the hit to L in forward passes; each pass that crosses a hash block
 writes a checkpoint at its last aligned position floor(stop / B) * B (`StepRequest.checkpoint`).
-Pass ends (stops) come from the policy's per-request `Steps`:
+Pass ends come from the policy's per-request `Steps`:
   * `stop_at_match`: the first pass ends at the MLA match m * B when m > hit (a branch point);
-  * `stop_at_page_end`: every pass also ends at each physical page end it would cross (a rung);
+  * `stop_at_page_end`: a pass also ends at every physical page end it would cross (a rung);
   * `chunk_tokens`: a pass computes at most that many tokens (chunked prefill);
-  * the last pass ends at L: its checkpoint is the turn end.
-Each checkpoint has a class: `turn` (last pass), `branch` (the pass ending at m), `rung` (a page
-end), `intermediate` (a chunk end). In the real index `CommitItem.durable` is set for turn,
-branch and rung; an intermediate one is recycled when the request registers its next checkpoint.
+  * the last pass ends at L: its checkpoint is the turn end (unless `turn_end=False`).
+Checkpoint classes: `turn` (last pass), `branch` (the pass ending at m), `rung` (a page end),
+`spec` (a page end that is not the request's deepest, when `spec_rungs`), `intermediate` (a chunk
+end: recycled when the request registers its next checkpoint), `superseded` (a turn end that a
+later request restored and continued past, when `demote_restored`). The real index knows two of
+them (`CommitItem.durable`: turn, branch, rung; otherwise intermediate).
 
-Conventions that reproduce the issue's figures (Mooncake trace, unlimited capacity, token-weighted;
+Conventions that reproduce the issue's figures (Mooncake trace, unlimited capacity, token-weighted,
 target in brackets; `python -m cachetier.replay.policy_model` prints them):
-  oracle    0.6504 [0.650]  full attention, 512-token blocks: hit = usable MLA match.
+  oracle    0.6504 [0.650]  full attention, 512-token blocks: hit = the usable MLA match.
   seed      0.5088 [0.509]  one checkpoint per request, at floor(L/512)*512 (its turn end).
-                            Chunking changes nothing at unlimited capacity: intermediate ones are
-                            recycled and only the last (turn-end) checkpoint survives.
-  branch    0.5820 [0.582]  seed + a durable checkpoint at m*512 when m > hit (the first pass of
-                            the request that discovers the branch point ends there; that request
-                            itself still hits only at its old checkpoint).
+                            Chunking changes nothing at unlimited capacity: intermediate checkpoints
+                            are recycled and only the turn end survives.
+  branch    0.5820 [0.582]  seed + a durable checkpoint at m*512 when m > hit: the request that
+                            finds the branch point ends its first pass there (it still hits only
+                            at its old checkpoint; the next request sharing the prefix hits at m).
   ladder    0.6436 [0.644]  branch + a durable checkpoint at every 6,144-token page end p with
                             hit*512 < p < L that the prefill crosses (those between hit and m too).
-  coupled   0.5463 [0.546]  hash block = page = 6,144 tokens; ONE checkpoint per request, at the
-                            last 6,144-aligned position of its input (floor(L/6144)*6144), i.e. an
-                            unchunked prefill. Checkpointing every page end crossed (what a chunked
-                            prefill with page-sized chunks that keeps every chunk state gives, the
-                            vLLM "all" mode) gives 0.5654 = full-6144.
+  coupled   0.5463 [0.546]  hash block = page = 6,144 tokens and ONE checkpoint per request, at
+                            floor(L/6144)*6144 (an unchunked prefill). Checkpointing every page end
+                            crossed (a page-chunked prefill keeping every chunk's state, vLLM's
+                            "all" mode) gives 0.5654, which is full-6144.
   full-6144 0.5654 [0.565]  full attention, 6,144-token blocks.
-Requests are served sequentially (each one's registrations visible to the next one): requests that
-share a timestamp are not batched. A partial last block never hits (it has no hash).
+Requests are served strictly one after the other (each one's registrations visible to the next);
+requests sharing a timestamp are not batched. A partial last block never hits (it has no hash).
 
 Capacity. Budgets are bytes of the kimi-k3 preset in unified page ids (padding included):
 page_id_bytes = page_bytes x layer_slots = 162,791,424 B; an MLA page set = 1 id, a checkpoint =
 kda_groups = 3 ids; GB = 1e9 B, so 100 GB = 614 ids, 400 GB = 2,457, 1.6 TB = 9,828. The running
-request holds a private state set (3 ids), its own MLA pages and, per pass, a checkpoint set.
-Eviction follows the index: leaf-first over the page tree (an MLA page with registered children is
-not evictable; evicting a page drops its endpoints and the checkpoints anchored on them, and its
-parent inherits its last-used tick); pinned entries (the hit's anchor page until release, the
-restored checkpoint until the first commit) are not evictable; among evictable entries the lowest
-score goes first, ties by creation order. Page sets are what the real index makes of a prompt: a
-request's own page for a slot is registered only if it holds a first-registered endpoint (first
-writer wins), so a page the request shares only partially (a hit inside a page) is copied and
-becomes a second page for the same slot. `last_used` is the plan tick at which a pin was dropped;
-as in release.lua, a newly registered MLA page keeps last_used = 0 until a hit pins it
-(`fresh_lu="zero"`; `fresh_lu="tick"` stamps it at release, for comparison).
+request also holds its private state set (3 ids), its own MLA pages and, per pass, a checkpoint
+set. Eviction follows the index: leaf-first over the page tree (an MLA page with registered
+children is not evictable; evicting a page drops its endpoints and the checkpoints anchored on
+them, and its parent inherits its last-used stamp); pinned entries (the hit's anchor page until
+release, the restored checkpoint until the first commit) are not evictable; the lowest score goes
+first, ties by creation order. Page sets are what the index makes of a prompt: a request's page
+for a slot is kept only if it registers an endpoint first (first writer wins), so a page shared
+only partially (a hit inside a page) is copied and becomes a second page for that slot.
+Last-used stamps: `lu` = the plan tick when a pin is dropped or a checkpoint registered; as in
+release.lua today, a newly registered MLA page keeps lu = 0 until a hit pins it (`fresh="zero"`);
+`fresh="tick"` stamps it at release.
 
-The `adaptive` policy and what the index needs for it: see `adaptive()` below.
+Score (one formula, weights per policy; lib.lua's is the special case value = 0, clock = 0):
+  score = recency * lu + clock * lc + bonus[class] + depth * prefix_tokens / pages
+          + value[class] * gain / pages
+`lc` is a second stamp taken at the same moments as `lu`: the pool's GreedyDual inflation value,
+which eviction raises to lc + value-term of each entry it evicts. `gain` = the tokens a checkpoint
+adds over the deepest checkpoint its request had restored or written before it (what losing it
+costs a request that would hit it); an MLA page carries the sum of its anchored checkpoints' terms
+over its own page plus theirs (they are evicted with it), and a page with none has value 0.
+
+The `adaptive` policy (see `adaptive()`): two modes, and the pool follows whichever mode's
+metadata-only shadow copy (this model, fed every request's hash ids) served more tokens over the
+last 1,000 requests (decided every 100, switching only past a 0.002 margin); the first mode at
+unlimited capacity.
+  `value` mode (GreedyDual on prefill tokens saved per page id, Marconi-like): branch points,
+    page-end rungs (the deepest one a request crosses is a `rung`, the others `spec`), turn ends;
+    a restored turn end the request continues past becomes `superseded` (an exact repeat promotes
+    it back). score = lc + value[class] * gain / pages, value = branch 2, turn 1, rung 1,
+    superseded 0.2, spec 0.02 (tokens per page id: a checkpoint weighs 3 ids = 18,432 MLA tokens).
+  `recency` mode (deep agentic sessions under a tight budget): checkpoints only at the deepest page
+    end a request crosses (a turn end only for prompts shorter than a page: no partial page and no
+    superseded checkpoint per turn), lib.lua's LRU tiers.
+What it needs from the real index, beyond stop_at_match / stop_at_page_end / match_tokens /
+durable (all simulated here):
+  1. release.lua must stamp lu = tick on the pages it hands to the cache (today they keep lu = 0
+     until a hit pins them, so new pages go first: seed on an agentic trace at 100 GB 0.80 -> 0.24).
+  2. A checkpoint class instead of `dur` 0/1 (`CommitItem.kind`: turn | branch | rung | spec;
+     intermediate when not durable), per-class `bonus` and `value` weights in meta, and on the
+     anchor page the sum of its checkpoints' value[cls] * gain and their count (kept like `dur`).
+  3. `gain` on checkpoint records: blocks past the request's previous checkpoint (its hit, then
+     each non-spec checkpoint it registered): commit has both in the request record.
+  4. A GreedyDual stamp: meta `clock`, raised by evict_one to rec.lc + value term; every place that
+     sets lu also sets lc = clock (parents inherit max); score gains `w_clock * lc` and the value
+     term; the depth term becomes per class over `gain` rather than `depth` (prefix_tokens).
+  5. Demotion at commit: the turn-end commit of a request re-classes the checkpoint it restored
+     from (turn -> superseded) when it registered a deeper one, else superseded -> turn.
+  6. `stop_at_page_end` for the deepest page end only (recency mode), i.e. the first pass stops at
+     the last page end before L when that lies beyond the hit; `checkpoint=False` on the last pass.
+  7. A rescore script for mode switches (ZADD every eviction-set member with the new weights), and
+     the shadow models in the control plane (memory: metadata of one pool per mode).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
-import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from cachetier.replay.traces import BLOCK_TOKENS, TraceRequest
-from eviction.policy import TIER, EvictionWeights, lru
+from eviction.policy import TIER
 
-CkClass = Literal["intermediate", "turn", "branch", "rung", "spec", "superseded"]
-TRACE_BLOCK = BLOCK_TOKENS
+CLASSES = ("intermediate", "turn", "branch", "rung", "spec", "superseded")
+DURABLE = ("turn", "branch", "rung")
+GB = 10**9
 
 
 # -- policies -------------------------------------------------------------------------------------
@@ -91,31 +131,6 @@ class Geometry:
 
 
 @dataclass(frozen=True)
-class Steps:
-    """A request's first-plan decisions, as the real index takes them: `StepRequest` flags and
-    chunk size, and the class (hence `CommitItem.durable`) of each checkpoint kind it writes."""
-
-    stop_at_match: bool = False
-    stop_at_page_end: bool = False
-    chunk_tokens: int | None = None
-    checkpoint: bool = True
-    rung_class: CkClass = "rung"
-    rung_pages: int = 1  # a rung every this many page ends
-    last_rung_only: bool = False  # only the deepest page end crossed
-    last_rung_spec: bool = False  # the deepest rung is `spec_class` too
-    spec_class: CkClass | None = None  # when set, the class of every rung but the deepest
-    spec_free_only: bool = False  # a `spec` checkpoint is written only into free pages (no eviction)
-    promote_spec: bool = False  # a `spec` checkpoint that is restored from becomes a `rung`
-    admit: tuple[str, ...] = ()  # classes written only if their value beats what eviction takes
-    admit_ratio: float = 1.0
-    rung_min_age: float = 0.0  # write a rung only if the last evicted entry was last used at least
-                               # this many ticks ago (pressure-aware admission); 0: always
-    turn_end: bool = True  # write the turn-end checkpoint (the last pass)
-    demote_restored: bool = False  # the turn end supersedes the checkpoint the request restored
-    demote_classes: tuple[str, ...] = ("turn", "superseded")  # which restored classes it demotes
-
-
-@dataclass(frozen=True)
 class Lookup:
     """What the index tells the scheduler about a new request (`RequestPlan`)."""
 
@@ -126,38 +141,44 @@ class Lookup:
 
 
 @dataclass(frozen=True)
-class Scorer:
-    """score = recency * last_used + bonus[class] + depth * value / pages (lowest evicted first).
+class Steps:
+    """A request's decisions, as the real index takes them: `StepRequest` flags and chunk size,
+    and the class of each checkpoint its passes write (`CommitItem.durable` and beyond)."""
 
-    `bonus` has one entry per class the model knows: intermediate, turn, branch, rung (checkpoints)
-    and mla (an MLA page). An MLA page anchoring checkpoints takes the highest bonus among the
-    classes of its anchored checkpoints in `anchor_classes` (lib.lua: a page anchoring a durable
-    checkpoint counts as durable). `value` is the checkpoint's or page's prefix tokens
-    (`depth_term="prefix"`, lib.lua) or only the tokens it adds over the next shallower
-    checkpoint of its chain when written (`depth_term="gain"`)."""
+    stop_at_match: bool = False
+    stop_at_page_end: bool = False
+    last_rung_only: bool = False  # end a pass only at the deepest page end the prefill crosses
+    spec_rungs: bool = False  # rungs other than the deepest are `spec` (else `rung`)
+    turn_end: bool = True  # the last pass writes the turn-end checkpoint
+    chunk_tokens: int | None = None
+    checkpoint: bool = True  # False: no pass writes a checkpoint (full attention)
+    demote_restored: bool = False  # a restored turn end the request continues past: `superseded`
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """score = recency * lu + clock * lc + bonus[class] + depth * prefix / pages
+               + value[class] * gain / pages; the lowest is evicted first.
+
+    An MLA page's class is the highest-bonus one among its anchored checkpoints' classes listed in
+    `anchor_classes`, else `mla` (lib.lua: a page anchoring a durable checkpoint is durable)."""
 
     recency: float = 1.0
+    clock: float = 0.0
     bonus: tuple[tuple[str, float], ...] = ()
     depth: float = 0.0
-    depth_term: Literal["prefix", "gain", "ck-prefix"] = "prefix"
-    anchor_classes: tuple[str, ...] = ("turn", "branch", "rung")
-    clock: Literal["tick", "gds"] = "tick"
+    value: tuple[tuple[str, float], ...] = ()
+    anchor_classes: tuple[str, ...] = DURABLE
     fresh: Literal["zero", "tick"] = "zero"
-    hit_bonus: float = 0.0  # added once an entry has been hit (restored from / pinned as anchor)
-    freq: float = 0.0  # the value term is multiplied by 1 + freq * hits
-    value_weight: tuple[tuple[str, float], ...] = ()  # per-class multiplier of the value term (1)
-    value_cap: float = math.inf  # the value term (tokens per page id, after weights) is capped here
-    gds_tie: float = 0.0  # with clock="gds": last_used = inflation value + gds_tie * plan tick
-
-    def bonus_of(self, cls: str) -> float:
-        return dict(self.bonus)[cls]
 
     @classmethod
-    def from_weights(cls, w: EvictionWeights) -> Scorer:
-        """The index's formula: durable = turn, branch and rung checkpoints."""
-        return cls(recency=w.recency, depth=w.depth,
-                   bonus=(("intermediate", w.intermediate), ("mla", w.mla), ("turn", w.durable),
-                          ("branch", w.durable), ("rung", w.durable), ("superseded", w.intermediate)))
+    def lib_lua(cls, recency: float = 1.0, mla: float = TIER, intermediate: float = 0.0,
+                durable: float = 2 * TIER, depth: float = 0.0,
+                fresh: Literal["zero", "tick"] = "zero") -> Scorer:
+        """eviction.policy.EvictionWeights as the index evaluates them (defaults: `lru()`)."""
+        bonus = {"intermediate": intermediate, "mla": mla, "spec": intermediate,
+                 "superseded": intermediate, **{c: durable for c in DURABLE}}
+        return cls(recency=recency, bonus=tuple(bonus.items()), depth=depth, fresh=fresh)
 
 
 @dataclass(frozen=True)
@@ -166,40 +187,97 @@ class Policy:
     geometry: Geometry
     # the same Steps for every request, or one per request from what its lookup found
     steps: Steps | Callable[[Lookup], Steps]
-    scorer: Scorer = field(default_factory=lambda: Scorer.from_weights(lru()))
+    scorer: Scorer = field(default_factory=Scorer.lib_lua)
     unlimited_only: bool = False  # the oracle: no capacity, by definition
 
 
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """Modes sharing one geometry; the live pool runs the mode whose shadow did best lately."""
+
+    name: str
+    modes: tuple[Policy, ...]
+    window: int = 1000  # requests over which shadows are compared
+    every: int = 100  # requests between decisions
+    margin: float = 0.002  # a challenger must beat the current mode by this hit-ratio margin
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.modes[0].geometry
+
+
 HYBRID = Geometry(512, 6144, 3)
+FULL_512 = Geometry(512, 6144, 0)
+
+
+class _ShortPromptTurnEnd:
+    """Checkpoints at page ends only; a turn end only for prompts shorter than a page."""
+
+    def __init__(self, page_tokens: int) -> None:
+        self.page_tokens = page_tokens
+
+    def __call__(self, lookup: Lookup) -> Steps:
+        return Steps(stop_at_page_end=True, last_rung_only=True,
+                     turn_end=lookup.input_tokens < self.page_tokens)
 
 
 def oracle() -> Policy:
-    return Policy("oracle", Geometry(512, 6144, 0), (Steps(checkpoint=False)), unlimited_only=True)
+    return Policy("oracle", FULL_512, Steps(checkpoint=False), unlimited_only=True)
 
 
-def full_512() -> Policy:
-    """The oracle's geometry under a budget: full attention, 512-token blocks in 6,144-token pages."""
-    return Policy("full-512", Geometry(512, 6144, 0), (Steps(checkpoint=False)))
+def full_512(fresh: Literal["zero", "tick"] = "zero") -> Policy:
+    """The oracle's geometry under a budget: full attention, 512-token blocks in 6,144 pages."""
+    return Policy("full-512", FULL_512, Steps(checkpoint=False), Scorer.lib_lua(fresh=fresh))
 
 
-def full_6144() -> Policy:
-    return Policy("full-6144", Geometry(6144, 6144, 0), (Steps(checkpoint=False)))
+def full_6144(fresh: Literal["zero", "tick"] = "zero") -> Policy:
+    return Policy("full-6144", Geometry(6144, 6144, 0), Steps(checkpoint=False),
+                  Scorer.lib_lua(fresh=fresh))
 
 
-def seed() -> Policy:
-    return Policy("seed", HYBRID, (Steps()))
+def seed(fresh: Literal["zero", "tick"] = "zero") -> Policy:
+    return Policy("seed", HYBRID, Steps(), Scorer.lib_lua(fresh=fresh))
 
 
-def branch() -> Policy:
-    return Policy("branch", HYBRID, (Steps(stop_at_match=True)))
+def branch(fresh: Literal["zero", "tick"] = "zero") -> Policy:
+    return Policy("branch", HYBRID, Steps(stop_at_match=True), Scorer.lib_lua(fresh=fresh))
 
 
-def ladder() -> Policy:
-    return Policy("ladder", HYBRID, (Steps(stop_at_match=True, stop_at_page_end=True)))
+def ladder(fresh: Literal["zero", "tick"] = "zero") -> Policy:
+    return Policy("ladder", HYBRID, Steps(stop_at_match=True, stop_at_page_end=True),
+                  Scorer.lib_lua(fresh=fresh))
 
 
-def coupled() -> Policy:
-    return Policy("coupled", Geometry(6144, 6144, 3), (Steps()))
+def coupled(fresh: Literal["zero", "tick"] = "zero") -> Policy:
+    return Policy("coupled", Geometry(6144, 6144, 3), Steps(), Scorer.lib_lua(fresh=fresh))
+
+
+VALUE_WEIGHTS = (("branch", 2.0), ("turn", 1.0), ("rung", 1.0), ("superseded", 0.2), ("spec", 0.02),
+                 ("intermediate", 0.0))
+
+
+def value_mode() -> Policy:
+    """GreedyDual on prefill tokens saved per page id, weighted by class (see the docstring)."""
+    steps = Steps(stop_at_match=True, stop_at_page_end=True, spec_rungs=True, demote_restored=True)
+    scorer = Scorer(recency=0.0, clock=1.0, bonus=tuple((c, 0.0) for c in (*CLASSES, "mla")),
+                    value=VALUE_WEIGHTS, fresh="tick")
+    return Policy("adaptive/value", HYBRID, steps, scorer)
+
+
+def recency_mode() -> Policy:
+    """LRU tiers with checkpoints at page ends: the least bytes per session chain."""
+    return Policy("adaptive/recency", HYBRID, _ShortPromptTurnEnd(HYBRID.page_tokens),
+                  Scorer.lib_lua(fresh="tick"))
+
+
+def adaptive() -> AdaptivePolicy:
+    return AdaptivePolicy("adaptive", (value_mode(), recency_mode()))
+
+
+BASELINES: dict[str, Callable[..., Policy]] = {
+    "oracle": oracle, "seed": seed, "branch": branch, "ladder": ladder, "coupled": coupled,
+    "full-6144": full_6144, "full-512": full_512,
+}
 
 
 # -- the model's state ----------------------------------------------------------------------------
@@ -207,27 +285,37 @@ def coupled() -> Policy:
 class _Page:
     """An MLA page set: private to its request until it registers an endpoint."""
 
-    __slots__ = ("seq", "slot", "eps", "fill", "cks", "par", "kids", "lu", "anchored", "depth",
-                 "ref", "registered", "alive", "ver", "hits")
+    __slots__ = (
+        "alive",
+        "anchored",
+        "cks",
+        "depth",
+        "eps",
+        "fill",
+        "kids",
+        "lc",
+        "lu",
+        "par",
+        "ref",
+        "registered",
+        "seq",
+        "ver",
+    )
 
     def __init__(self, seq: int) -> None:
-        self.seq, self.slot, self.eps, self.fill, self.cks = seq, -1, [], 0, []
+        self.seq, self.eps, self.fill, self.cks = seq, [], 0, []
         self.par: _Page | None = None
-        self.kids, self.lu, self.depth, self.ref, self.ver = 0, 0, 0, 1, 0
+        self.kids, self.lu, self.lc, self.depth, self.ref, self.ver = 0, 0.0, 0.0, 0, 1, 0
         self.anchored: dict[str, int] = {}
         self.registered, self.alive = False, True
-        self.hits = 0
 
 
 class _Ckpt:
-    __slots__ = ("seq", "h", "blocks", "anchor", "cls", "lu", "depth", "gain", "ref", "alive", "ver",
-                 "hits")
+    __slots__ = ("alive", "anchor", "cls", "depth", "gain", "h", "lc", "lu", "ref", "seq", "ver")
 
-    def __init__(self, seq: int, h: int, blocks: int, anchor: _Page, cls: str, lu: int, depth: int,
-                 gain: int) -> None:
-        self.seq, self.h, self.blocks, self.anchor, self.cls = seq, h, blocks, anchor, cls
-        self.lu, self.depth, self.gain, self.ref, self.alive, self.ver = lu, depth, gain, 0, True, 0
-        self.hits = 0
+    def __init__(self, seq: int, h: int, anchor: _Page, cls: str, depth: int, gain: int) -> None:
+        self.seq, self.h, self.anchor, self.cls, self.depth, self.gain = seq, h, anchor, cls, depth, gain
+        self.lu, self.lc, self.ref, self.alive, self.ver = 0.0, 0.0, 0, True, 0
 
 
 @dataclass
@@ -236,10 +324,11 @@ class Stats:
     input_tokens: int = 0
     hit_tokens: int = 0
     match_tokens: int = 0
-    checkpoints_written: dict[str, int] = field(default_factory=dict)
+    checkpoints: dict[str, int] = field(default_factory=dict)  # passes that wrote one, by class
     evicted_pages: int = 0
     refused: int = 0
     peak_pages: int = 0
+    mode_switches: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -247,16 +336,27 @@ class Stats:
 
 
 class Refused(Exception):
-    """A step cannot get its pages even after evicting everything evictable."""
+    """A pass cannot get its pages even after evicting everything evictable."""
 
 
 class _Request:
-    __slots__ = ("chain", "length", "pos", "reg", "shared", "own", "inter", "anchor", "restored",
-                 "prev_ck", "has_state")
+    __slots__ = (
+        "anchor",
+        "chain",
+        "has_state",
+        "inter",
+        "own",
+        "pos",
+        "prev_ck",
+        "reg",
+        "restored",
+        "shared",
+    )
 
-    def __init__(self, chain: list[int], length: int) -> None:
-        self.chain, self.length = chain, length
-        self.pos = self.reg = self.shared = self.prev_ck = 0
+    def __init__(self, chain: list[int], hit: int) -> None:
+        self.chain = chain
+        self.pos = self.reg = self.prev_ck = hit  # in hash blocks, except pos (tokens): set below
+        self.shared = 0
         self.own: list[_Page] = []
         self.inter: int | None = None
         self.anchor: _Page | None = None
@@ -267,85 +367,90 @@ class _Request:
 class Model:
     """The index's state for one policy and one capacity (page ids; None = unlimited)."""
 
-    def __init__(self, policy: Policy, capacity: int | None = None) -> None:
-        self.p, self.geo, self.capacity = policy, policy.geometry, capacity
-        self.fresh_lu = policy.scorer.fresh
-        self.gds = policy.scorer.clock == "gds"
-        self.evicted_lu = -math.inf  # last_used of the most recently evicted entry
-        self.evicted_v: float | None = None  # moving average of evicted entries' score - last_used
-        self.clock = 0.0
+    def __init__(self, policy: Policy, capacity: int | None = None,
+                 clock_value: tuple[tuple[str, float], ...] | None = None) -> None:
+        """`clock_value`: the value weights eviction raises the inflation clock with (default: the
+        policy's own), so that a mode switch finds `lc` stamps on the same scale."""
+        self.geo, self.capacity = policy.geometry, capacity
+        self._clock_value = collections.defaultdict(
+            float, policy.scorer.value if clock_value is None else clock_value)
         self.B, self.PB = self.geo.block_tokens, self.geo.blocks_per_page
-        self.ratio = self.B // TRACE_BLOCK
+        self.ratio = self.B // BLOCK_TOKENS
         self.ep: dict[int, tuple[_Page, int]] = {}
         self.ck: dict[int, _Ckpt] = {}
         self.used = 0
         self.tick = 0
-        self.heap: list[tuple[float, int, int, object]] = []
+        self.clock = 0.0
+        self.heap: list[tuple[float, int, int, _Page | _Ckpt]] = []
         self.seq = itertools.count()
         self.stats = Stats()
+        self.set_policy(policy)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Switch steps and weights; every evictable entry is rescored (the index: one pass over
+        the eviction set with the new weights)."""
+        if policy.geometry != self.geo:
+            raise ValueError("a policy switch cannot change the geometry")
+        self.p = policy
         sc = policy.scorer
-        self._bonus = dict(sc.bonus)
-        self._rank = {c: self._bonus[c] for c in sc.anchor_classes}
-        self._prior = dict(sc.value_weight)
+        self._bonus = collections.defaultdict(float, sc.bonus)
+        self._value = collections.defaultdict(float, sc.value)
+        self._rank = [(self._bonus[c], c) for c in sc.anchor_classes]
+        for obj in list(self._entries()):
+            self._touch(obj)
 
-    def now(self) -> float:
-        """The last-used stamp: the plan tick, or the GreedyDual inflation value."""
-        return self.clock if self.gds else self.tick
+    def _entries(self) -> Iterable[_Page | _Ckpt]:
+        yield from {id(pg): pg for pg, _ in self.ep.values()}.values()
+        yield from self.ck.values()
 
-    # -- eviction -------------------------------------------------------------------------------
+    # -- scores and eviction --------------------------------------------------------------------
+    def _stamp(self, obj: _Page | _Ckpt) -> None:
+        obj.lu, obj.lc = self.tick, self.clock
+
+    def _value_term(self, obj: _Page | _Ckpt, weights: dict[str, float] | None = None) -> float:
+        w = self._value if weights is None else weights
+        if isinstance(obj, _Ckpt):
+            return w[obj.cls] * obj.gain / self.geo.kda_groups
+        if not obj.cks:
+            return 0.0
+        total = sum(w[c.cls] * c.gain for c in obj.cks)
+        return total / (self.geo.mla_groups + self.geo.kda_groups * len(obj.cks))
+
     def _score(self, obj: _Page | _Ckpt) -> float:
         sc = self.p.scorer
         if isinstance(obj, _Ckpt):
-            value = (obj.gain if sc.depth_term == "gain" else obj.depth) * (1 + sc.freq * obj.hits)
-            return (sc.recency * obj.lu + self._bonus[obj.cls]
-                    + sc.depth * min(sc.value_cap, self._prior.get(obj.cls, 1.0) * value / self.geo.kda_groups)
-                    + (sc.hit_bonus if obj.hits else 0.0))
-        bonus = self._bonus["mla"]
-        for cls, n in obj.anchored.items():
-            if n > 0 and cls in self._rank:
-                bonus = max(bonus, self._rank[cls])
-        if sc.depth_term in ("gain", "ck-prefix"):  # it lives and dies with its checkpoints
-            value = (sum((c.gain if sc.depth_term == "gain" else c.depth) * (1 + sc.freq * c.hits)
-                         * self._prior.get(c.cls, 1.0) for c in obj.cks)
-                     / (self.geo.mla_groups + self.geo.kda_groups * len(obj.cks)))
+            bonus, prefix = self._bonus[obj.cls], obj.depth / self.geo.kda_groups
         else:
-            value = obj.depth / self.geo.mla_groups
-        return (sc.recency * obj.lu + bonus + sc.depth * min(sc.value_cap, value)
-                + (sc.hit_bonus if obj.hits else 0.0))
+            bonus = self._bonus["mla"]
+            for b, c in self._rank:
+                if obj.anchored.get(c, 0) > 0 and b > bonus:
+                    bonus = b
+            prefix = obj.depth / self.geo.mla_groups
+        return (sc.recency * obj.lu + sc.clock * obj.lc + bonus + sc.depth * prefix
+                + self._value_term(obj))
 
     def _touch(self, obj: _Page | _Ckpt) -> None:
         obj.ver += 1
         if obj.alive and obj.ref == 0 and (isinstance(obj, _Ckpt) or (obj.registered and obj.kids == 0)):
             heapq.heappush(self.heap, (self._score(obj), obj.seq, obj.ver, obj))
 
-    def _head_score(self) -> float | None:
-        while self.heap:
-            score, _, ver, obj = self.heap[0]
-            if obj.alive and obj.ver == ver:  # type: ignore[attr-defined]
-                return score
-            heapq.heappop(self.heap)
-        return None
-
     def _evict_one(self) -> bool:
         while self.heap:
-            score, _, ver, obj = heapq.heappop(self.heap)
-            if obj.alive and obj.ver == ver:  # type: ignore[attr-defined]
-                if self.gds:
-                    self.clock = max(self.clock, score)
-                self.evicted_lu = obj.lu  # type: ignore[attr-defined]
-                v = score - obj.lu  # type: ignore[attr-defined]
-                self.evicted_v = v if self.evicted_v is None else 0.99 * self.evicted_v + 0.01 * v
+            _, _, ver, obj = heapq.heappop(self.heap)
+            if obj.alive and obj.ver == ver:
+                self.clock = max(self.clock, obj.lc + self._value_term(obj, self._clock_value))
+                before = self.used
                 if isinstance(obj, _Ckpt):
                     self._drop_ck(obj)
-                    self.stats.evicted_pages += self.geo.kda_groups
                 else:
-                    self._drop_page(obj)  # type: ignore[arg-type]
-                    self.stats.evicted_pages += self.geo.mla_groups
+                    self._drop_page(obj)  # and the checkpoints anchored on it
+                self.stats.evicted_pages += before - self.used
                 return True
         return False
 
     def _drop_ck(self, c: _Ckpt) -> None:
-        assert c.ref == 0
+        if c.ref:
+            raise RuntimeError(f"pinned checkpoint {c.h} dropped")
         c.alive = False
         del self.ck[c.h]
         a = c.anchor
@@ -363,19 +468,16 @@ class Model:
         if pg.par is not None:
             pg.par.kids -= 1
             pg.par.lu = max(pg.par.lu, pg.lu)
+            pg.par.lc = max(pg.par.lc, pg.lc)
             self._touch(pg.par)
         self.used -= self.geo.mla_groups
 
-    def _ensure(self, need: int) -> None:
-        if self.capacity is None:
-            return
-        while self.capacity - self.used < need:
-            if not self._evict_one():
-                raise Refused
-        # a lower bound check like plan_step's is implied: eviction ran until it fit
-
-    def _alloc(self, n: int) -> None:
-        self.used += n
+    def _alloc(self, need: int) -> None:
+        if self.capacity is not None:
+            while self.capacity - self.used < need:
+                if not self._evict_one():
+                    raise Refused
+        self.used += need
         self.stats.peak_pages = max(self.stats.peak_pages, self.used)
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -401,50 +503,44 @@ class Model:
     def chain_of(self, req: TraceRequest) -> list[int]:
         """Hash ids of the complete blocks at this geometry's block size."""
         r = self.ratio
-        full = req.input_length // self.B
-        return [req.hash_ids[(j + 1) * r - 1] for j in range(full)]
+        return [req.hash_ids[(j + 1) * r - 1] for j in range(req.input_length // self.B)]
+
+    def lookup(self, req: TraceRequest) -> tuple[list[int], int, int]:
+        chain = self.chain_of(req)
+        usable = min(len(chain), (req.input_length - 1) // self.B)
+        match = self.mla_match(chain, usable)
+        hit = self.kda_match(chain, match) if self.geo.kda_groups and match else match
+        return chain, match, hit
 
     # -- one request ----------------------------------------------------------------------------
     def serve(self, req: TraceRequest) -> int:
         """Serve one request; returns its hit in tokens."""
-        chain, length = self.chain_of(req), req.input_length
-        usable = min(len(chain), (length - 1) // self.B)
-        match = self.mla_match(chain, usable)
-        kda = self.geo.kda_groups
-        hit = self.kda_match(chain, match) if kda and match else match
+        chain, match, hit = self.lookup(req)
+        length, kda = req.input_length, self.geo.kda_groups
+        hit_ck = self.ck[chain[hit - 1]] if kda and hit else None
         steps = self.p.steps
         if not isinstance(steps, Steps):
-            hit_class = self.ck[chain[hit - 1]].cls if kda and hit else None
-            steps = steps(Lookup(hit * self.B, match * self.B, length, hit_class))
-        self.spec_free_only = steps.spec_free_only
-        self.rung_min_age = steps.rung_min_age
-        self.admit = steps.admit
-        self.admit_ratio = steps.admit_ratio
-        r = _Request(chain, length)
-        r.pos = r.reg = r.prev_ck = hit
+            steps = steps(Lookup(hit * self.B, match * self.B, length, hit_ck and hit_ck.cls))
+        r = _Request(chain, hit)
+        r.pos = hit * self.B
         self.stats.requests += 1
         self.stats.input_tokens += length
         self.stats.match_tokens += match * self.B
-        hit_ck = None
         if hit:
             r.anchor = self.ep[chain[hit - 1]][0]
             r.shared = hit // self.PB  # the anchor's page is shared only when the hit ends on it
             r.anchor.ref += 1
-            r.anchor.hits += 1
             self._touch(r.anchor)
-            if kda:
-                r.restored = hit_ck = self.ck[chain[hit - 1]]
-                r.restored.ref += 1
-                r.restored.hits += 1
-                self._touch(r.restored)
+            if hit_ck is not None:
+                r.restored = hit_ck
+                hit_ck.ref += 1
+                self._touch(hit_ck)
         try:
             for n, (stop, cls) in enumerate(self._stops(hit, match, length, steps)):
                 self._step(r, stop, cls if steps.checkpoint else None, first=n == 0)
-            if steps.promote_spec and hit_ck is not None and hit_ck.cls == "spec":
-                self._reclass(hit_ck, "rung")
-            if steps.demote_restored and hit_ck is not None and hit_ck.cls in steps.demote_classes:
-                # a turn end this request continued past is superseded by its deeper checkpoint;
-                # a hit that does not go deeper (an exact repeat) promotes it back
+            if steps.demote_restored and hit_ck is not None and hit_ck.cls in ("turn", "superseded"):
+                # continued past: the request's deeper checkpoint supersedes it; an exact repeat
+                # (nothing deeper) promotes it back
                 self._reclass(hit_ck, "superseded" if r.prev_ck > hit else "turn")
         except Refused:
             self.stats.refused += 1
@@ -454,62 +550,48 @@ class Model:
         self.stats.hit_tokens += hit * self.B
         return hit * self.B
 
-    def _stops(self, hit: int, match: int, length: int, steps: Steps) -> list[tuple[int, str]]:
-        """Pass ends after hit*B and the class of the checkpoint each one writes."""
+    def _stops(self, hit: int, match: int, length: int, steps: Steps) -> list[tuple[int, str | None]]:
+        """Pass ends after hit*B, each with the class of the checkpoint it writes (or None)."""
         start = hit * self.B
         marks: dict[int, str | None] = {length: "turn" if steps.turn_end else None}
         if steps.stop_at_page_end:
             pt = self.geo.page_tokens
-            step = pt * steps.rung_pages
-            rungs = range((start // step + 1) * step, length, step)
+            rungs = range((start // pt + 1) * pt, length, pt)
             for p in rungs[-1:] if steps.last_rung_only else rungs:
-                deepest = p == rungs[-1] and not steps.last_rung_spec
-                marks.setdefault(p, steps.rung_class if deepest or not steps.spec_class
-                                 else steps.spec_class)
+                marks.setdefault(p, "spec" if steps.spec_rungs and p != rungs[-1] else "rung")
         if steps.stop_at_match and match > hit:
             marks[match * self.B] = "branch"
-        stops = sorted(marks)
-        if steps.chunk_tokens:
-            chunked, pos = [], start
-            for s in stops:
-                while s - pos > steps.chunk_tokens:
-                    pos += steps.chunk_tokens
-                    chunked.append((pos, "intermediate"))
-                chunked.append((s, marks[s]))
-                pos = s
-            return chunked
-        return [(s, marks[s]) for s in stops]
+        out: list[tuple[int, str | None]] = []
+        pos = start
+        for stop in sorted(marks):
+            while steps.chunk_tokens and stop - pos > steps.chunk_tokens:
+                pos += steps.chunk_tokens
+                out.append((pos, "intermediate"))
+            out.append((stop, marks[stop]))
+            pos = stop
+        return out
 
     def _step(self, r: _Request, stop: int, cls: str | None, first: bool) -> None:
-        B, PT, kda = self.B, self.geo.page_tokens, self.geo.kda_groups
+        """One pass: plan (allocate, evicting as needed), forward, commit."""
+        B, kda, mla = self.B, self.geo.kda_groups, self.geo.mla_groups
         self.tick += 1
-        new_slots = -(-stop // PT) - (r.shared + len(r.own))
+        new_slots = -(-stop // self.geo.page_tokens) - (r.shared + len(r.own))
         want_ck = cls is not None and kda > 0 and stop // B > r.pos // B
-        if want_ck and cls == "rung" and self.rung_min_age and self.tick - self.evicted_lu < self.rung_min_age:
-            want_ck = False
-        if want_ck and cls in self.admit and self.capacity is not None and self.evicted_v is not None:
-            cand = _Ckpt(-1, -1, stop // B, r.own[-1] if r.own else r.anchor, cls, 0.0,
-                         (stop // B) * B, (stop // B - r.prev_ck) * B)  # type: ignore[arg-type]
-            want_ck = self._score(cand) > self.admit_ratio * self.evicted_v
-        if want_ck and cls == "spec" and self.spec_free_only and self.capacity is not None:
-            free = self.capacity - self.used - new_slots * self.geo.mla_groups - (kda if first else 0)
-            want_ck = free >= kda
-        need = new_slots * self.geo.mla_groups + (kda if first else 0) + (kda if want_ck else 0)
-        self._ensure(need)
-        self._alloc(need)
+        self._alloc(new_slots * mla + (kda if first else 0) + (kda if want_ck else 0))
         r.has_state = r.has_state or (first and kda > 0)
-        for _ in range(new_slots):
-            r.own.append(_Page(next(self.seq)))
-        # commit
-        if r.restored is not None:
-            r.restored.ref -= 1
-            r.restored.lu = self.now()
-            self._touch(r.restored)
+        r.own.extend(_Page(next(self.seq)) for _ in range(new_slots))
+        if r.restored is not None:  # the forward pass read it: the restore pin goes
+            self._unpin(r.restored)
             r.restored = None
         self._register(r, stop // B)
         if want_ck:
             self._checkpoint(r, stop // B, cls)  # type: ignore[arg-type]
         r.pos = stop
+
+    def _unpin(self, obj: _Page | _Ckpt) -> None:
+        obj.ref -= 1
+        self._stamp(obj)
+        self._touch(obj)
 
     def _register(self, r: _Request, upto: int) -> None:
         PB = self.PB
@@ -526,6 +608,7 @@ class Model:
             r.reg = i
 
     def _attach(self, r: _Request, pg: _Page, slot: int) -> bool:
+        """Hang a page under the page holding the previous page end (commit.lua `attach`)."""
         if slot > 0:
             e = self.ep.get(r.chain[slot * self.PB - 1])
             if e is None:
@@ -533,31 +616,30 @@ class Model:
             pg.par = e[0]
             e[0].kids += 1
             self._touch(e[0])
-        pg.registered, pg.slot, pg.depth = True, slot, (slot + 1) * self.PB * self.B
+        pg.registered, pg.depth = True, (slot + 1) * self.PB * self.B
         return True
 
     def _checkpoint(self, r: _Request, blocks: int, cls: str) -> None:
         kda = self.geo.kda_groups
         h = r.chain[blocks - 1]
-        self.stats.checkpoints_written[cls] = self.stats.checkpoints_written.get(cls, 0) + 1
+        self.stats.checkpoints[cls] = self.stats.checkpoints.get(cls, 0) + 1
         existing = self.ck.get(h)
         e = self.ep.get(h)
-        if existing is not None or e is None:
-            self.used -= kda  # the new set is freed
+        if existing is not None or e is None:  # duplicate or unanchored: the new set is freed
+            self.used -= kda
             if existing is not None and cls != "intermediate" and existing.cls in ("intermediate", "superseded"):
                 self._reclass(existing, cls)
             return
-        anchor = e[0]
-        c = _Ckpt(next(self.seq), h, blocks, anchor, cls, self.now(), blocks * self.B,
-                  (blocks - r.prev_ck) * self.B)
+        c = _Ckpt(next(self.seq), h, e[0], cls, blocks * self.B, (blocks - r.prev_ck) * self.B)
+        self._stamp(c)
         if cls not in ("spec", "intermediate"):
             r.prev_ck = blocks
         self.ck[h] = c
-        anchor.cks.append(c)
-        anchor.anchored[cls] = anchor.anchored.get(cls, 0) + 1
+        e[0].cks.append(c)
+        e[0].anchored[cls] = e[0].anchored.get(cls, 0) + 1
         self._touch(c)
-        self._touch(anchor)
-        if r.inter is not None:
+        self._touch(e[0])
+        if r.inter is not None:  # recycle the request's previous intermediate checkpoint
             old = self.ck.get(r.inter)
             if old is not None and old.ref == 0 and old.cls == "intermediate":
                 self._drop_ck(old)
@@ -573,47 +655,86 @@ class Model:
         self._touch(c.anchor)
 
     def _release(self, r: _Request) -> None:
-        kda = self.geo.kda_groups
         if r.restored is not None:
-            r.restored.ref -= 1
-            r.restored.lu = self.now()
-            self._touch(r.restored)
+            self._unpin(r.restored)
         for pg in reversed(r.own):
             if not pg.registered:
                 pg.alive = False
                 self.used -= self.geo.mla_groups
                 continue
             pg.ref -= 1
-            if self.fresh_lu == "tick":
-                pg.lu = self.now()
+            if self.p.scorer.fresh == "tick":
+                self._stamp(pg)
             self._touch(pg)
         if r.anchor is not None:
-            r.anchor.ref -= 1
-            r.anchor.lu = self.now()
-            self._touch(r.anchor)
+            self._unpin(r.anchor)
         if r.has_state:
-            self.used -= kda  # the private state set
+            self.used -= self.geo.kda_groups  # the private state set
 
     # -- checks ---------------------------------------------------------------------------------
     def check(self) -> None:
-        """Accounting and structure: every live entry reachable, page counts add up."""
+        """Between requests: page accounting adds up, every entry is reachable, leaf-first holds."""
         pages = {id(pg): pg for pg, _ in self.ep.values()}
         used = len(pages) * self.geo.mla_groups + len(self.ck) * self.geo.kda_groups
-        assert used == self.used, (used, self.used)
-        for c in self.ck.values():
-            assert c.alive and c.anchor.alive and self.ep[c.h][0] is c.anchor
+        if used != self.used:
+            raise RuntimeError(f"{self.used} pages accounted, {used} held")
+        kids = collections.Counter(id(pg.par) for pg in pages.values() if pg.par is not None)
         for pg in pages.values():
-            assert pg.alive and (pg.par is None or pg.par.alive)
+            if not pg.alive or pg.ref or (pg.par is not None and not pg.par.alive):
+                raise RuntimeError("a cached page is dead, pinned or orphaned")
+            if kids[id(pg)] != pg.kids:
+                raise RuntimeError("a page's child count is wrong")
+        for c in self.ck.values():
+            if not c.alive or c.ref or self.ep[c.h][0] is not c.anchor:
+                raise RuntimeError(f"checkpoint {c.h} is not anchored on its endpoint's page")
 
 
-def simulate(trace: Iterable[TraceRequest], policy: Policy, capacity: int | None = None,
-             fresh_lu: Literal["zero", "tick"] | None = None, check: bool = False) -> Stats:
-    """`fresh_lu` overrides the policy's stamp of newly registered pages (index semantics)."""
-    if policy.unlimited_only:
-        capacity = None
-    if fresh_lu is not None:
-        policy = replace(policy, scorer=replace(policy.scorer, fresh=fresh_lu))
-    model = Model(policy, capacity)
+class AdaptiveModel:
+    """The live pool plus one metadata-only shadow per mode, all fed every request."""
+
+    def __init__(self, policy: AdaptivePolicy, capacity: int | None = None) -> None:
+        self.policy, self.capacity = policy, capacity
+        clock_value = next((m.scorer.value for m in policy.modes if m.scorer.clock), ())
+        self.live = Model(policy.modes[0], capacity, clock_value)
+        self.current = 0
+        # at unlimited capacity nothing is evicted and the first mode's admission is the richest
+        self.shadows = [Model(m, capacity) for m in policy.modes] if capacity is not None else []
+        self.recent: collections.deque[tuple[int, list[int]]] = collections.deque(maxlen=policy.window)
+        self.seen = 0
+
+    @property
+    def stats(self) -> Stats:
+        return self.live.stats
+
+    def serve(self, req: TraceRequest) -> int:
+        hit = self.live.serve(req)
+        if self.shadows:
+            self.recent.append((req.input_length, [s.serve(req) for s in self.shadows]))
+            self.seen += 1
+            if self.seen % self.policy.every == 0:
+                self._decide()
+        return hit
+
+    def _decide(self) -> None:
+        tokens = sum(n for n, _ in self.recent)
+        ratios = [sum(h[i] for _, h in self.recent) / tokens for i in range(len(self.shadows))]
+        best = max(range(len(ratios)), key=ratios.__getitem__)
+        if best != self.current and ratios[best] > ratios[self.current] + self.policy.margin:
+            self.current = best
+            self.live.set_policy(self.policy.modes[best])
+            self.live.stats.mode_switches += 1
+
+    def check(self) -> None:
+        self.live.check()
+
+
+def simulate(trace: Iterable[TraceRequest], policy: Policy | AdaptivePolicy,
+             capacity: int | None = None, check: bool = False) -> Stats:
+    """Serve the trace in timestamp order (stable) through one policy at one capacity (page ids)."""
+    if isinstance(policy, AdaptivePolicy):
+        model: Model | AdaptiveModel = AdaptiveModel(policy, capacity)
+    else:
+        model = Model(policy, None if policy.unlimited_only else capacity)
     for req in sorted(trace, key=lambda q: q.timestamp):
         model.serve(req)
         if check:
@@ -622,5 +743,49 @@ def simulate(trace: Iterable[TraceRequest], policy: Policy, capacity: int | None
 
 
 def budget_pages(budget_bytes: float, preset: str = "kimi-k3") -> int:
+    """Unified page ids a byte budget buys (padding included)."""
     from cachetier.config import load_config
     return int(budget_bytes // load_config(preset).geometry.page_id_bytes)
+
+
+BUDGETS = {"unlimited": None, "100GB": 100 * GB, "400GB": 400 * GB, "1.6TB": 1600 * GB}
+
+
+def table(trace: Sequence[TraceRequest], policies: dict[str, Policy | AdaptivePolicy],
+          budgets: dict[str, float | None] = BUDGETS) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name, policy in policies.items():
+        out[name] = {}
+        for label, nbytes in budgets.items():
+            cap = None if nbytes is None else budget_pages(nbytes)
+            out[name][label] = simulate(trace, policy, cap).hit_ratio
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    from cachetier.replay.traces import AgenticSpec, read_trace, synth_agentic
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", nargs="?", default="../shared/traces/mooncake_synthetic_trace.jsonl",
+                        help="a Mooncake-format JSONL trace, or 'agentic:SEED' for a synthetic one")
+    parser.add_argument("--unlimited-only", action="store_true")
+    args = parser.parse_args(argv)
+    if args.trace.startswith("agentic:"):
+        trace = synth_agentic(AgenticSpec(seed=int(args.trace.split(":", 1)[1])))
+    else:
+        trace = read_trace(args.trace)
+    policies: dict[str, Policy | AdaptivePolicy] = {}
+    for fresh in ("zero", "tick"):
+        for name in ("seed", "branch", "ladder", "coupled", "full-6144"):
+            policies[f"{name}/{fresh}"] = BASELINES[name](fresh)
+    policies = {"oracle": oracle(), **policies, "adaptive": adaptive()}
+    budgets = {"unlimited": None} if args.unlimited_only else BUDGETS
+    rows = table(trace, policies, budgets)
+    print(f"{'policy':18s}" + "".join(f"{b:>11s}" for b in budgets))
+    for name, row in rows.items():
+        print(f"{name:18s}" + "".join(f"{row[b]:11.4f}" for b in budgets))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,9 +14,10 @@
 -- The pins on the checkpoints this request restored from are dropped.
 -- First writer wins: a hash already registered elsewhere is left alone, since both pages hold the
 -- same prefix. A page is only hung under a parent that is ready or pending for this same request,
--- which keeps readiness prefix-closed along every chain (a ready page has ready ancestors); a
--- checkpoint is only anchored on an endpoint that is ready or this request's own, so rolling back a
--- released request's pending endpoints never strands another request's checkpoint.
+-- which keeps readiness prefix-closed along every chain (a ready page has ready ancestors). A
+-- checkpoint may anchor on another request's pending endpoint (two requests of one step computing
+-- the same prefix): it is matched only once that endpoint is confirmed too, and it is dropped with
+-- the endpoint if that request is released unconfirmed (release rolls anchored checkpoints back).
 
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
@@ -93,7 +94,6 @@ local function register_checkpoint(rid, r, hash_at, blocks, durable, p)
   local h = hash_at(blocks)
   local existing = redis.call("HGET", K_CK, h)
   local e = get_ep(h)
-  if e ~= nil and get_rf(e[1]) < e[2] and get_rec(e[1]).owner ~= rid then e = nil end
   local ck_lead = r.ck
   r.ck = -1
   if existing or e == nil then

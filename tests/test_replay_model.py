@@ -1,0 +1,184 @@
+"""The replay package: trace parsing, synthetic traces, token synthesis, and the policy model's
+hit ratios on a hand-made trace whose every hit is worked out below."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cachetier.replay import policy_model as pm
+from cachetier.replay.traces import (
+    AgenticSpec,
+    TraceError,
+    TraceRequest,
+    block_tokens_for,
+    parse_lines,
+    read_trace,
+    synth_agentic,
+    synth_tokens,
+    write_trace,
+)
+
+B = 512
+
+
+def req(t: int, ids: list[int], length: int) -> TraceRequest:
+    return TraceRequest(t, length, 1, tuple(ids))
+
+
+# Hash blocks of 512 tokens, pages of 6,144 (12 blocks). Block k of r4/r5 past 13 has id k + 26.
+R1 = req(0, [*range(1, 14), 100], 13 * B + 100)      # 13 complete blocks + a partial one
+R2 = req(1, [1, 2, 3, 4, 5, 20, 21], 7 * B)           # shares 5 blocks with r1
+R3 = req(2, [1, 2, 3, 4, 5, 30, 31, 32, 33], 8 * B + 10)  # shares the same 5 blocks
+R4 = req(3, [*range(1, 14), *range(40, 53)], 26 * B)  # continues r1 (turn end at 13)
+R5 = req(4, [*range(1, 14), *range(40, 52), 70, 71], 27 * B)  # follows r4 for 25 blocks
+HAND = [R1, R2, R3, R4, R5]
+TOTAL = 6756 + 3584 + 4106 + 13312 + 13824  # 41,582 input tokens
+# usable blocks = min(complete, (L-1)//512): r1 13, r2 6, r3 8, r4 25, r5 26.
+# oracle: r2, r3 match 5 blocks (2,560); r4 matches r1's 13 (6,656); r5 matches 25 (12,800).
+# seed: checkpoints only at turn ends (r1 @13, r2 @7, r3 @8, r4 @26): r4 and r5 hit r1's @13.
+# branch: r2 finds MLA match 5 > hit 0 and writes a branch point @5, so r3 hits 2,560.
+# ladder: r1 also writes a rung @12 and r4 (prefill from 13) a rung @24: r5 hits @24 = 12,288.
+# coupled (6,144-token blocks): chains are the ids at blocks 12 and 24; r1 checkpoints page 1,
+#   r4 hits it (6,144) and checkpoints page 2 (its floor(L/6144)); r5 hits page 2 (12,288).
+# full-6144: the same pages without checkpoints: 6,144 + 12,288.
+EXPECTED = {
+    "oracle": 2560 + 2560 + 6656 + 12800,
+    "seed": 6656 + 6656,
+    "branch": 2560 + 6656 + 6656,
+    "ladder": 2560 + 6656 + 12288,
+    "coupled": 6144 + 12288,
+    "full-6144": 6144 + 12288,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_hand_trace_hit_ratios_at_unlimited_capacity(name: str) -> None:
+    stats = pm.simulate(HAND, pm.BASELINES[name](), check=True)
+    assert stats.input_tokens == TOTAL
+    assert stats.hit_tokens == EXPECTED[name]
+    assert stats.hit_ratio == pytest.approx(EXPECTED[name] / TOTAL)
+
+
+def test_adaptive_matches_ladder_when_nothing_is_evicted() -> None:
+    # Same passes as ladder (r4's only rung @24 is its deepest, so it is a `rung`, not `spec`).
+    assert pm.simulate(HAND, pm.adaptive(), check=True).hit_tokens == EXPECTED["ladder"]
+    stats = pm.simulate(HAND, pm.adaptive(), capacity=10_000, check=True)
+    assert stats.hit_tokens == EXPECTED["ladder"] and stats.evicted_pages == 0
+
+
+def test_chunking_changes_nothing_at_unlimited_capacity() -> None:
+    chunked = replace(pm.seed(), steps=pm.Steps(chunk_tokens=1000))
+    stats = pm.simulate(HAND, chunked, check=True)
+    assert stats.hit_tokens == EXPECTED["seed"]
+    assert stats.checkpoints["intermediate"] > 0  # written, then recycled
+
+
+def test_coupled_with_every_page_end_equals_full_6144() -> None:
+    every = replace(pm.coupled(), steps=pm.Steps(stop_at_page_end=True))
+    assert pm.simulate(HAND, every).hit_tokens == EXPECTED["full-6144"]
+
+
+# r1 leaves page 1 (full), page 2 (block 13) and its turn-end checkpoint anchored on page 2:
+# 5 page ids. An unrelated 3-block request needs 1 page + 3 (state) + 3 (checkpoint) = 7.
+R_OTHER = req(1, [500, 501, 502], 3 * B)
+R1_AGAIN = req(2, [*range(1, 14), 101], 13 * B + 50)  # r1's 13 blocks, another tail
+
+
+@pytest.mark.parametrize("capacity, evicted, hit", [(12, 0, 13 * B), (10, 4, 0)])
+def test_evicting_the_anchor_page_drops_its_checkpoint(capacity: int, evicted: int, hit: int) -> None:
+    # With 10 ids, 2 must go: the LRU head is r1's leaf page 2 (durable tier: it anchors the turn
+    # end, and was never hit so last_used = 0), and its checkpoint goes with it (4 ids freed).
+    model = pm.Model(pm.seed(), capacity)
+    for r in (R1, R_OTHER):
+        model.serve(r)
+        model.check()
+    assert model.stats.evicted_pages == evicted
+    assert model.serve(R1_AGAIN) == hit
+    model.check()
+
+
+def test_policies_keep_the_index_invariants_under_pressure() -> None:
+    trace = synth_agentic(AgenticSpec(sessions=25, seed=3, max_context=40_000))
+    for policy in [*(f() for f in pm.BASELINES.values()), pm.adaptive()]:
+        limited = pm.simulate(trace, policy, capacity=60, check=True)
+        unlimited = pm.simulate(trace, policy)
+        assert limited.hit_tokens <= unlimited.hit_tokens and limited.refused == 0
+
+
+def test_budget_pages_for_kimi_k3() -> None:
+    assert pm.budget_pages(100 * pm.GB) == 614
+    assert pm.budget_pages(400 * pm.GB) == 2457
+    assert pm.budget_pages(1600 * pm.GB) == 9828
+
+
+# -- traces ---------------------------------------------------------------------------------------
+
+GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [7, 8]}
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({**GOOD, "hash_ids": [7]}), "expected ceil(1000 / 512) = 2"),
+    (json.dumps({**GOOD, "input_length": 0}), "input_length must be an integer >= 1"),
+    (json.dumps({k: v for k, v in GOOD.items() if k != "timestamp"}), "missing field 'timestamp'"),
+    (json.dumps({**GOOD, "hash_ids": [7, -1]}), "hash_ids[1] must be an integer >= 0"),
+    (json.dumps({**GOOD, "hash_ids": "78"}), "non-list field 'hash_ids'"),
+    (json.dumps({**GOOD, "turn": True}), "turn must be an integer"),
+])
+def test_bad_lines_name_their_line_number(line: str, message: str) -> None:
+    with pytest.raises(TraceError) as err:
+        list(parse_lines([json.dumps(GOOD), "", line]))
+    assert err.value.line == 3 and message in str(err.value) and str(err.value).startswith("line 3:")
+
+
+def test_ids_that_are_not_prefix_chained_are_refused() -> None:
+    lines = [json.dumps(GOOD), json.dumps({**GOOD, "hash_ids": [9, 7]})]  # 7 after 9, at block 1
+    with pytest.raises(TraceError, match="line 2: .*not prefix-chained"):
+        list(parse_lines(lines))
+    assert len(list(parse_lines(lines, check_chaining=False))) == 2
+
+
+def test_write_then_read_round_trips(tmp_path) -> None:
+    trace = synth_agentic(AgenticSpec(sessions=5, seed=1))
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace)
+    assert read_trace(path) == trace
+    assert all(r.session_id is not None and r.turn is not None for r in trace)
+
+
+def test_synth_is_deterministic_by_seed_and_prefix_chained() -> None:
+    spec = AgenticSpec(sessions=30, seed=7)
+    a, b = synth_agentic(spec), synth_agentic(spec)
+    assert a == b and a != synth_agentic(replace(spec, seed=8))
+    buf = io.StringIO()
+    write_trace(buf, a)
+    assert list(parse_lines(buf.getvalue().splitlines())) == a  # the chaining check passes
+    assert [r.timestamp for r in a] == sorted(r.timestamp for r in a)
+    # within a session a turn's prompt extends the previous one: its complete blocks come back
+    last: dict[int, TraceRequest] = {}
+    for r in a:
+        prev = last.get(r.session_id)  # type: ignore[arg-type]
+        if prev is not None:
+            full = prev.complete_blocks()
+            assert r.hash_ids[:full] == prev.hash_ids[:full] and r.input_length > prev.input_length
+        last[r.session_id] = r  # type: ignore[index]
+    # sessions share system prompts: some first block is common to several sessions
+    firsts = [r.hash_ids[0] for r in a if r.turn == 0]
+    assert len(set(firsts)) < len(firsts)
+    lengths = [r.input_length for r in a]
+    assert min(lengths) < 10_000 and max(lengths) > 50_000
+
+
+def test_token_synthesis_follows_the_ids() -> None:
+    r1, r2 = req(0, [1, 2, 3], 2 * B + 100), req(1, [1, 2, 4], 3 * B)
+    t1, t2 = synth_tokens(r1), synth_tokens(r2)
+    assert t1.dtype == np.uint32 and t1.shape == (2 * B + 100,)
+    assert np.array_equal(t1[:2 * B], t2[:2 * B]) and not np.array_equal(t1[2 * B:], t2[2 * B:2 * B + 100])
+    assert np.array_equal(t1[2 * B:], block_tokens_for([3])[0, :100])  # partial = prefix of the block
+    assert np.array_equal(block_tokens_for([5, 6]), block_tokens_for([5, 6]))

@@ -1,0 +1,189 @@
+"""Decoding resumed after a checkpoint moved between TP degrees gives the cold recompute's outputs.
+
+A prefill node of TP degree s runs a prompt through its rank pools and snapshots the KDA state at a
+hash-block boundary B. The checkpoint pages and the MLA pages of [0, B) then move to a decode node
+of TP degree d over the real transfer path (a `PageServer` per source rank, `pull` into every
+destination rank, re-sharding the heads on the way), into pages of other ids whose stale bytes
+are garbage. The decode node restores the checkpoint into fresh state pages, runs the prompt's
+tail from B and then a few single-token decode steps: the outputs must equal `recompute` of the
+whole sequence from B. Skipping one head's stream of one layer must break that equality.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from cachetier.config import CacheSpec, ModelSpec
+from gpu_pool import transfer
+from gpu_pool.layout import PageKind, PageLayout
+from gpu_pool.pool import PagedPool
+from gpu_pool.streams import PageMove, Stream
+from kernels import page_copy
+from tinymodel import ChunkRequest, TinyHybrid, outputs_match
+
+TOKEN = "oracle-token"
+EIGHT_HEADS = ModelSpec(name="tiny-8", kda_heads=8, kda_head_k_dim=8, kda_head_v_dim=8)
+NINETY_SIX_HEADS = ModelSpec(name="tiny-96", kda_heads=96, kda_head_k_dim=4, kda_head_v_dim=4)
+CACHE = CacheSpec(hash_block_tokens=8, page_tokens=32, page_alignment=64, num_pages=18)
+PROMPT_TOKENS, DECODE_STEPS = 62, 4
+TOKENS = np.random.default_rng(3).integers(0, 2**32, PROMPT_TOKENS + DECODE_STEPS, dtype=np.uint64)
+PREFILL_BOUNDS = (0, 29, PROMPT_TOKENS)
+HIT = 56  # the last hash-block boundary of the second chunk: 24 tokens into the second page
+# page ids: the decode node's differ from the prefill node's, so a move that keeps the id is wrong
+SRC_MLA, SRC_STATE, SRC_CHECKPOINT = [0, 1], [2, 3, 4], [5, 6, 7]
+DST_MLA, DST_CHECKPOINT, DST_STATE = [9, 10, 11], [12, 13, 14], [15, 16, 17]
+
+CASES = [
+    pytest.param(EIGHT_HEADS, 1, 2, id="1->2"),
+    pytest.param(EIGHT_HEADS, 2, 4, id="2->4"),
+    pytest.param(EIGHT_HEADS, 4, 2, id="4->2"),
+    pytest.param(EIGHT_HEADS, 8, 1, id="8->1"),
+    pytest.param(NINETY_SIX_HEADS, 1, 3, id="96heads-1->3"),
+    pytest.param(NINETY_SIX_HEADS, 3, 1, id="96heads-3->1"),
+]
+
+NewPools = Callable[[ModelSpec, int], list[PagedPool]]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The tiny model's matmuls only lose from a thread pool (they wait on its barriers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def new_pools() -> Iterator[NewPools]:
+    """Creates the rank pools of a model at a TP degree, each full of random stale bytes."""
+    with contextlib.ExitStack() as stack:
+        def create(model: ModelSpec, degree: int) -> list[PagedPool]:
+            spec = dataclasses.replace(model, tp_degree=degree)
+            pools = [stack.enter_context(PagedPool.create(spec, CACHE)) for _ in range(degree)]
+            for rank, pool in enumerate(pools):
+                gen = torch.Generator().manual_seed(100 + rank)
+                pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8,
+                                                generator=gen))
+            return pools
+        yield create
+
+
+@contextlib.asynccontextmanager
+async def serving(pools: Sequence[PagedPool]) -> AsyncIterator[list[str]]:
+    """A page server per source rank; yields their URLs in rank order."""
+    servers = [transfer.PageServer(lambda p=p: p, TOKEN) for p in pools]
+    try:
+        yield [await server.start() for server in servers]
+    finally:
+        for server in servers:
+            await server.close()
+
+
+def prefill(model: TinyHybrid, pools: list[PagedPool]) -> torch.Tensor:
+    """The prompt on the prefill node, one chunk per step, checkpointed at `HIT` inside the
+    second chunk."""
+    first, middle, last = PREFILL_BOUNDS
+    chunks = [ChunkRequest(TOKENS, first, middle, [SRC_MLA], SRC_STATE),
+              ChunkRequest(TOKENS, middle, last, [SRC_MLA], SRC_STATE, HIT, SRC_CHECKPOINT)]
+    return torch.cat([model.forward(pools, [chunk])[0] for chunk in chunks])
+
+
+def moves(model: ModelSpec) -> list[PageMove]:
+    """What a hand-off of the hit moves: the MLA pages of [0, HIT) (the last one a token prefix)
+    and the checkpoint, one page per KDA group."""
+    page_tokens = CACHE.page_tokens
+    mla = []
+    for slot in range(-(-HIT // page_tokens)):
+        tokens = min(page_tokens, HIT - slot * page_tokens)
+        nbytes = 0 if tokens == page_tokens else tokens * model.mla_token_bytes
+        mla.append(PageMove(SRC_MLA[slot], DST_MLA[slot], PageKind.MLA, nbytes))
+    kda = [PageMove(src, dst, PageKind.KDA) for src, dst in zip(SRC_CHECKPOINT, DST_CHECKPOINT)]
+    return mla + kda
+
+
+async def move_checkpoint(src: list[PagedPool], dst: list[PagedPool], model: ModelSpec) -> int:
+    """Every destination rank pulls its share from every source rank at once, as agents do."""
+    async with serving(src) as urls:
+        received = await asyncio.gather(*(
+            transfer.pull(pool, rank, src[0].layout, urls, moves(model), TOKEN)
+            for rank, pool in enumerate(dst)))
+    return sum(received)
+
+
+def decode(model: TinyHybrid, pools: list[PagedPool]) -> torch.Tensor:
+    """Restore the checkpoint on every rank, run the prompt's tail, then one token per step."""
+    for pool in pools:
+        nbytes = pool.layout.geometry.kda_page_bytes
+        page_copy(pool.buffer, pool.buffer,
+                  [[src, dst, 0, nbytes] for src, dst in zip(DST_CHECKPOINT, DST_STATE)])
+    bounds = [HIT, PROMPT_TOKENS, *range(PROMPT_TOKENS + 1, len(TOKENS) + 1)]
+    chunks = [ChunkRequest(TOKENS, start, stop, [DST_MLA], DST_STATE)
+              for start, stop in itertools.pairwise(bounds)]
+    return torch.cat([model.forward(pools, [chunk])[0] for chunk in chunks])
+
+
+def mla_prefix(pool: PagedPool, pages: Sequence[int]) -> torch.Tensor:
+    """Every layer's rows of [0, HIT) in `pages`."""
+    rows = torch.cat([pool.mla_view(page) for page in pages], dim=1)
+    return rows[:, :HIT]
+
+
+@pytest.mark.parametrize("model, src_degree, dst_degree", CASES)
+async def test_decoding_resumed_on_another_tp_degree_matches_recompute(
+        new_pools: NewPools, model: ModelSpec, src_degree: int, dst_degree: int) -> None:
+    src, dst = new_pools(model, src_degree), new_pools(model, dst_degree)
+    prefill_node = TinyHybrid(src[0].layout.model)
+    decode_node = TinyHybrid(dst[0].layout.model)
+    expected = decode_node.recompute(TOKENS)
+    assert outputs_match(prefill(prefill_node, src), expected[:PROMPT_TOKENS])
+    received = await move_checkpoint(src, dst, model)
+    kda_bytes = model.kda_layers * model.kda_heads * model.kda_head_bytes
+    mla_bytes = HIT * model.mla_token_bytes * model.layers_per_group
+    assert received == kda_bytes + dst_degree * mla_bytes  # each head once, the latent per rank
+    for rank, pool in enumerate(dst):  # the model reads rank 0's rows: check the others here
+        assert torch.equal(mla_prefix(pool, DST_MLA), mla_prefix(src[0], SRC_MLA)), f"rank {rank}"
+    assert outputs_match(decode(decode_node, dst), expected[HIT:])
+
+
+Plan = Callable[[PageLayout, PageLayout, int, Sequence[PageMove]], dict[int, list[Stream]]]
+
+
+def skip_first_head(plan: Plan) -> Plan:
+    """`plan_fetch`, except that destination rank 0's first KDA stream (layer slot 0 of the first
+    checkpoint page) starts one head later: that head's state in that layer never arrives."""
+    def planned(src: PageLayout, dst: PageLayout, dst_rank: int,
+                page_moves: Sequence[PageMove]) -> dict[int, list[Stream]]:
+        by_rank = plan(src, dst, dst_rank, page_moves)
+        if dst_rank:
+            return by_rank
+        head = src.head_bytes
+        for streams in by_rank.values():
+            for i, s in enumerate(streams):
+                if s.dst_page in DST_CHECKPOINT:
+                    streams[i] = dataclasses.replace(s, src_offset=s.src_offset + head,
+                                                     nbytes=s.nbytes - head,
+                                                     dst_offset=s.dst_offset + head)
+                    return by_rank
+        raise AssertionError("the plan has no KDA stream to cut")
+    return planned
+
+
+@pytest.mark.parametrize("model, src_degree, dst_degree", [CASES[1], CASES[3], CASES[4]])
+async def test_a_head_stream_left_out_breaks_the_match(
+        new_pools: NewPools, monkeypatch: pytest.MonkeyPatch, model: ModelSpec,
+        src_degree: int, dst_degree: int) -> None:
+    src, dst = new_pools(model, src_degree), new_pools(model, dst_degree)
+    prefill(TinyHybrid(src[0].layout.model), src)
+    monkeypatch.setattr(transfer, "plan_fetch", skip_first_head(transfer.plan_fetch))
+    await move_checkpoint(src, dst, model)
+    decode_node = TinyHybrid(dst[0].layout.model)
+    assert not outputs_match(decode(decode_node, dst), decode_node.recompute(TOKENS)[HIT:])
