@@ -8,6 +8,7 @@ exactly those latents and the whole state (all heads, re-sharded on the way).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -19,6 +20,7 @@ from cachetier.client import CacheTierClient
 from cachetier.config import CacheSpec, Config, ModelSpec
 from cachetier.errors import ErrorCode, RemoteError
 from gpu_pool import PagedPool
+from gpu_pool.agent import Agent, AgentSettings
 from cachetier.framing import encode_frame
 from cachetier.protocol import ok_frame
 from cachetier.sockio import read_frame, send_buffers
@@ -132,3 +134,48 @@ async def test_a_source_dying_mid_stream_fails_retryably_and_leaves_nothing(redi
         assert probes[0].hit_tokens == 0                           # no entry on partial data
         await no_pins(redis, "prefill", PREFILL)
         await no_pins(redis, "decode", DECODE)
+
+
+async def test_a_destination_dying_mid_stream_fails_retryably_and_leaves_nothing(redis, redis_url,
+                                                                                monkeypatch):
+    """The decode agent dies while its pull is half done (the source stalls after half a stream,
+    so the death lands mid-transfer): retryable error, the decode pool starts a new epoch (no
+    entry can point to the half-written pages), and the prefill pool's pins are gone."""
+    tokens = DOC[:42]
+    hashes = chain_hashes(tokens, ROOT, BLOCK)
+    midway = asyncio.Event()
+
+    async def stalling_source(self: PageServer, conn: socket.socket) -> None:
+        frame = await read_frame(conn, 2**20)
+        streams = frame["streams"]
+        _, slot, _, nbytes, page, offset = streams[0]
+        accepted = StreamsAccepted(len(streams), sum(row[3] for row in streams))
+        await send_buffers(conn, [encode_frame(ok_frame(frame["id"], accepted)),
+                                  STREAM_HEADER.pack(page, slot, offset, nbytes),
+                                  bytes(nbytes // 2)])
+        midway.set()
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(PageServer, "_serve", stalling_source)   # before the servers start
+    async with running_service(redis_url, config=PREFILL, pool_configs={"decode": DECODE}) as svc:
+        async with contextlib.AsyncExitStack() as stack:
+            prefill_agents = [await stack.enter_async_context(running_agent(
+                svc.url, pool="prefill", rank=r, tp_degree=2)) for r in range(2)]
+            decode = Agent(AgentSettings((svc.url,), "decode", TOKEN, reconnect_max_s=60))
+            decode_run = asyncio.create_task(decode.run())
+            await asyncio.wait_for(decode.registered.wait(), 10)
+            tier = await stack.enter_async_context(CacheTierClient(svc.url, token=TOKEN,
+                                                                   timeout=10))
+            await prefill(tier, [PagedPool.attach(a.handle()) for a in prefill_agents], tokens)
+            epoch = (await tier.stats("decode")).epoch
+            handoff = asyncio.create_task(tier.handoff("prefill", "decode", len(tokens), hashes))
+            await asyncio.wait_for(midway.wait(), 10)
+            decode_run.cancel()                                        # the decode agent dies
+            await asyncio.gather(decode_run, return_exceptions=True)
+            with pytest.raises(RemoteError) as err:
+                await handoff
+            assert err.value.retryable
+            assert (await tier.stats("decode")).epoch > epoch
+            assert (await tier.route(["decode"], len(tokens), hashes))[0].hit_tokens == 0
+            await no_pins(redis, "prefill", PREFILL)
+            await no_pins(redis, "decode", DECODE)
