@@ -46,7 +46,8 @@ from gpu_pool.streams import PageMove, plan_fetch
 from gpu_pool.transfer import PageServer, pull
 
 TOKEN = "bench"
-DEGREES = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (4, 2), (8, 8), (8, 1))  # every dst degree has its same-TP case
+# every destination degree has its same-TP case (the reference of `resharding_cost`)
+DEGREES = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (4, 2), (8, 8), (8, 1))
 QUICK_DEGREES = ((1, 1), (1, 2), (2, 1))
 
 
