@@ -1,4 +1,4 @@
-"""The `cachetier` command: `config show`, `serve`, `agent`, `up` and the benchmarks.
+"""The `cachetier` command: config, servers, the local cluster, demo, replay, traces, benchmarks.
 
 Bench modules (`cachetier.bench.<name>`) are imported only when their command runs, so `config show`
 stays fast and the CLI keeps working while a benchmark is missing or broken. A bench module provides
@@ -296,6 +296,113 @@ def _add_demo_parser(commands: Any) -> None:
     demo.set_defaults(handler=_demo)
 
 
+def _replay(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.replay import report
+    from cachetier.replay.replayer import (
+        POLICY_NAMES,
+        ReplayError,
+        budget_pages,
+        check_policies,
+        parse_budget,
+        replay_trace,
+    )
+    from cachetier.replay.traces import TraceError, read_trace
+    config = load_config(args.preset)
+    try:
+        budgets = [parse_budget(b) for b in (args.sweep or args.budget).split(",")]
+        for budget in budgets:
+            budget_pages(budget, config)
+    except (ValueError, ReplayError) as exc:
+        raise ConfigError("--sweep" if args.sweep else "--budget", str(exc)) from None
+    budgets.sort(key=lambda b: (b is None, b or 0))
+    policies = ([name.strip() for name in args.policies.split(",") if name.strip()]
+                if args.policies else list(POLICY_NAMES))
+    try:
+        check_policies(policies)
+    except ValueError as exc:
+        raise ConfigError("--policies", str(exc)) from None
+    if args.chunk < 1:
+        raise ConfigError("--chunk", "must be >= 1")
+    try:
+        requests = read_trace(args.trace)
+    except (OSError, TraceError) as exc:
+        raise ConfigError(str(args.trace), str(exc)) from None
+    try:
+        results = asyncio.run(replay_trace(requests, config, budgets, policies, args.chunk))
+    except ReplayError as exc:
+        print(f"cachetier: {exc}", file=sys.stderr)
+        return 1
+    trace = str(args.trace)
+    if not args.sweep:
+        out = report.replay_json(trace, len(requests), results[0], args.preset, args.chunk)
+        table = report.format_table(trace, len(requests), results[0])
+        print(json.dumps(out) if args.json else table)
+        return 0
+    plot = args.plot or Path("runs") / f"{args.trace.stem}-sweep.png"
+    report.write_sweep_plot(results, plot, f"cachetier replay: {args.trace.name}, {args.preset}")
+    out = report.sweep_json(trace, len(requests), results, args.preset, args.chunk, plot)
+    print(json.dumps(out) if args.json
+          else f"{report.format_sweep(trace, len(requests), results)}\nplot: {plot}")
+    return 0
+
+
+def _add_replay_parser(commands: Any) -> None:
+    replay = commands.add_parser("replay", help="replay a request trace through the real index, "
+                                                "one pool per checkpoint policy")
+    replay.add_argument("trace", type=Path, metavar="TRACE.jsonl",
+                        help="Mooncake-format JSONL (timestamp, input_length, output_length, "
+                             "hash_ids; session_id and turn optional)")
+    replay.add_argument("--budget", default="unlimited", metavar="SIZE",
+                        help="cache capacity in bytes of the preset, e.g. 400GB or 1.6TB "
+                             "(GB = 1e9), or unlimited (default)")
+    replay.add_argument("--sweep", metavar="SIZE,SIZE,...",
+                        help="replay at each budget, e.g. 100GB,400GB,1.6TB,unlimited, and plot "
+                             "hit ratio against capacity")
+    replay.add_argument("--policies", metavar="NAME,NAME,...",
+                        help="policies to compare (default: all of oracle, seed, branch, ladder, "
+                             "coupled, full-6144, adaptive)")
+    replay.add_argument("--chunk", type=int, default=8192, metavar="TOKENS",
+                        help="chunked-prefill size (default 8192)")
+    replay.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS),
+                        help="model whose page bytes the budget counts (default kimi-k3)")
+    replay.add_argument("--plot", type=Path, metavar="PNG",
+                        help="sweep plot (default: runs/<trace name>-sweep.png)")
+    replay.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    replay.set_defaults(handler=_replay)
+
+
+def _trace_synth(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.replay.traces import AgenticSpec, synth_agentic, write_trace
+    spec = AgenticSpec(sessions=args.sessions, seed=args.seed, max_context=args.max_context,
+                       turns_mean=args.turns_mean, fork_prob=args.fork_prob)
+    if min(spec.sessions, spec.max_context, spec.turns_mean) < 1 or not 0 <= spec.fork_prob <= 1:
+        raise ConfigError("trace synth", "--sessions, --max-context and --turns-mean must be >= 1, "
+                          "--fork-prob in [0, 1]")
+    requests = synth_agentic(spec)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(args.out, requests)
+    sessions = len({r.session_id for r in requests})
+    print(f"wrote {len(requests)} requests of {sessions} sessions to {args.out}")
+    return 0
+
+
+def _add_trace_parser(commands: Any) -> None:
+    trace = commands.add_parser("trace", help="request traces for `cachetier replay`")
+    actions = trace.add_subparsers(dest="action", required=True, metavar="ACTION")
+    synth = actions.add_parser("synth", help="write synthetic agentic multi-turn sessions in the "
+                                             "Mooncake format, plus session_id and turn")
+    synth.add_argument("out", type=Path, metavar="OUT.jsonl")
+    synth.add_argument("--sessions", type=int, default=200, help="sessions (default 200)")
+    synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synth.add_argument("--max-context", type=int, default=160_000, metavar="TOKENS",
+                       help="a session's longest prompt (default 160000)")
+    synth.add_argument("--turns-mean", type=float, default=8.0,
+                       help="mean turns of a short session (default 8)")
+    synth.add_argument("--fork-prob", type=float, default=0.04,
+                       help="chance a turn forks a sub-session (default 0.04)")
+    synth.set_defaults(handler=_trace_synth)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command tree; bench flags are parsed later, by the bench module's own parser."""
     parser = argparse.ArgumentParser(prog="cachetier", description=__doc__.splitlines()[0])
@@ -315,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent_parser(commands)
     _add_up_parser(commands)
     _add_demo_parser(commands)
+    _add_replay_parser(commands)
+    _add_trace_parser(commands)
     return parser
 
 

@@ -1,49 +1,140 @@
 """Eviction policies as weights of one score formula that the Lua scripts evaluate.
 
-score(entry) = recency * last_used
-             + bonus[class]                    (intermediate checkpoint | MLA page | durable)
-             + depth * prefix_tokens / pages   (prefill tokens the entry saves per page it holds)
+score(entry) = recency * last_used + clock * clock_stamp
+             + bonus                            (the entry's tier, see below)
+             + depth * prefix_tokens / pages    (prefill tokens the entry saves per page it holds)
+             + sum(value[class] * gain) / freed (prefill tokens lost per page freed, Marconi)
 
-The lowest score is evicted first. An MLA page that anchors a durable checkpoint counts as durable,
-since evicting it would take the checkpoint with it. `score` here is the same formula, term for
-term, as `score()` in index/lua/lib.lua, so the in-memory reference orders entries exactly as Redis.
+The lowest score is evicted first. Evicting an entry removes a set of checkpoints with it: a
+checkpoint removes itself; an MLA page removes every checkpoint anchored on it. So `bonus` is the
+highest tier among the page itself (`mla`) and those checkpoints' classes, `gain` sums over them
+(each checkpoint's gain: the tokens it saves over the checkpoint its request resumed from or
+registered before it), and `freed` counts the pages of the entry and of those checkpoints.
+`clock_stamp` is the pool's GreedyDual clock when the entry was last used; evicting an entry
+raises the clock to its stamp plus its value term, so entries that stay unused age against the
+value of what is evicted (GreedyDual-Size). `score` here is the same formula, term for term and in
+the same order of operations, as `score()` in index/lua/lib.lua, so the in-memory reference
+orders entries exactly as Redis.
+
+Checkpoint classes: `intermediate` (a chunk end, recycled when its request registers the next),
+`turn` (a prompt's end), `branch` (an MLA match end past the hit), `rung` (a page end), `spec` (a
+page end that is not the deepest one its request crossed), `superseded` (a turn end that a later
+request resumed from and went past: the index demotes it, and an exact repeat promotes it back).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-EntryClass = Literal["intermediate", "mla", "durable"]
+CheckpointClass = Literal["intermediate", "turn", "branch", "rung", "spec", "superseded"]
+CLASSES: tuple[CheckpointClass, ...] = get_args(CheckpointClass)
 
 # Larger than any reachable logical tick, so a bonus tier always dominates recency.
 TIER = float(2**40)
 
 
 @dataclass(frozen=True)
-class EvictionWeights:
-    recency: float
-    mla: float
-    intermediate: float
-    durable: float
-    depth: float
+class PerClass:
+    """One weight per checkpoint class."""
 
-    def score(self, entry_class: EntryClass, last_used: int, prefix_tokens: int, pages: int) -> float:
-        bonus = {"intermediate": self.intermediate, "mla": self.mla, "durable": self.durable}[entry_class]
-        return self.recency * last_used + bonus + self.depth * prefix_tokens / pages
+    intermediate: float = 0.0
+    turn: float = 0.0
+    branch: float = 0.0
+    rung: float = 0.0
+    spec: float = 0.0
+    superseded: float = 0.0
+
+    def __getitem__(self, cls: CheckpointClass) -> float:
+        return float(getattr(self, cls))
+
+    @classmethod
+    def kept(cls, intermediate: float, kept: float) -> PerClass:
+        """`intermediate` for intermediate checkpoints, `kept` for every other class."""
+        return cls(intermediate, *(kept for _ in CLASSES[1:]))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the score reads of one eviction-set member: `counts` and `gains` are per class (in
+    `CLASSES` order) over the checkpoints its eviction removes; `pages` is its own page set."""
+
+    is_mla: bool
+    last_used: int
+    clock_stamp: float
+    prefix_tokens: int
+    pages: int
+    counts: tuple[int, ...]
+    gains: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EvictionWeights:
+    recency: float = 0.0
+    clock: float = 0.0
+    mla: float = 0.0  # the bonus of an MLA page
+    depth: float = 0.0
+    bonus: PerClass = PerClass()
+    value: PerClass = PerClass()
+
+    @classmethod
+    def tiers(cls, recency: float, mla: float, intermediate: float, durable: float,
+              depth: float = 0.0) -> EvictionWeights:
+        """Bonus tiers only: intermediate checkpoints, MLA pages, and every kept class."""
+        return cls(recency=recency, mla=mla, depth=depth,
+                   bonus=PerClass.kept(intermediate, durable))
+
+    def terms(self, entry: Entry, kda_groups: int) -> tuple[float, float]:
+        """(bonus, value term): the class-dependent parts of the score."""
+        bonus, value, freed = (self.mla if entry.is_mla else -float("inf")), 0.0, entry.pages
+        for cls, n, gain in zip(CLASSES, entry.counts, entry.gains):
+            if n > 0:
+                bonus = max(bonus, self.bonus[cls])
+                value = value + self.value[cls] * gain
+                if entry.is_mla:
+                    freed = freed + n * kda_groups
+        return bonus, value / freed
+
+    def score(self, entry: Entry, kda_groups: int) -> float:
+        bonus, value = self.terms(entry, kda_groups)
+        return (self.recency * entry.last_used + self.clock * entry.clock_stamp + bonus
+                + self.depth * entry.prefix_tokens / entry.pages + value)
 
     def as_pool_fields(self) -> dict[str, float]:
-        return {"w_recency": self.recency, "w_mla": self.mla, "w_intermediate": self.intermediate,
-                "w_durable": self.durable, "w_depth": self.depth}
+        fields = {"w_recency": self.recency, "w_clock": self.clock, "w_mla": self.mla,
+                  "w_depth": self.depth}
+        for cls in CLASSES:
+            fields[f"w_bonus_{cls}"] = self.bonus[cls]
+            fields[f"w_value_{cls}"] = self.value[cls]
+        return fields
 
 
 def lru() -> EvictionWeights:
     """Least recently used first, in three tiers: intermediate checkpoints are recycled before MLA
-    pages, and durable (turn-boundary) checkpoints, with the pages that anchor them, outlive both."""
-    return EvictionWeights(recency=1.0, mla=TIER, intermediate=0.0, durable=2 * TIER, depth=0.0)
+    pages, and kept checkpoints (turn ends, branch points, rungs), with the pages that anchor
+    them, outlive both."""
+    return EvictionWeights.tiers(recency=1.0, mla=TIER, intermediate=0.0, durable=2 * TIER)
 
 
-POLICIES = {"lru": lru}
+def recency() -> EvictionWeights:
+    """`lru`, with speculative rungs and superseded turn ends in the intermediate tier: the
+    weights of the adaptive policy's recency mode (deep sessions under a tight budget)."""
+    tiers = lru()
+    return dataclasses.replace(tiers, bonus=dataclasses.replace(tiers.bonus, spec=0.0,
+                                                                superseded=0.0))
+
+
+def value() -> EvictionWeights:
+    """GreedyDual on prefill tokens saved per page id (Marconi-like): a checkpoint weighs three
+    page ids, i.e. ~18,000 MLA tokens on kimi-k3, so it stays only where it saves more than that.
+    Branch points are worth double (every later sibling resumes there); speculative rungs and
+    superseded turn ends are worth little but not nothing."""
+    return EvictionWeights(clock=1.0, value=PerClass(intermediate=0.0, turn=1.0, branch=2.0,
+                                                     rung=1.0, spec=0.02, superseded=0.2))
+
+
+POLICIES = {"lru": lru, "recency": recency, "value": value}
 
 
 def policy_weights(name: str) -> EvictionWeights:

@@ -10,17 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from eviction.policy import CheckpointClass
+
 
 @dataclass(frozen=True)
 class StepRequest:
     """One request of a scheduling step. New requests carry their prompt's chained hashes (one per
     complete hash block); a request already planned before continues its prefill without them.
 
-    The two `stop_at_*` switches let the index cut the step short where a checkpoint is worth
+    The `stop_at_*` switches let the index cut the step short where a checkpoint is worth
     keeping, which only it can know on a request's first step (the hit decides where it starts):
     `stop_at_match` ends the step at the end of the request's MLA match when that lies beyond the
-    hit (a branch point: the next request sharing this prefix then hits at full depth), and
-    `stop_at_page_end` ends it at the next physical page end (a rung of the checkpoint ladder).
+    hit (a branch point: the next request sharing this prefix then hits at full depth),
+    `stop_at_page_end` ends it at the next physical page end (a rung of the checkpoint ladder),
+    and `stop_at_last_page_end` at the prompt's deepest page end before its last token, when the
+    step starts before it (the one rung worth a checkpoint's bytes when the budget is tight).
     """
 
     rid: str
@@ -30,6 +34,7 @@ class StepRequest:
     checkpoint: bool = True
     stop_at_match: bool = False
     stop_at_page_end: bool = False
+    stop_at_last_page_end: bool = False
 
     @property
     def is_new(self) -> bool:
@@ -84,15 +89,32 @@ class StepRefusal:
     pages_available: int
 
 
+CheckpointKind = Literal["intermediate", "turn", "branch", "rung", "spec"]
+
+
 @dataclass(frozen=True)
 class CommitItem:
-    """`durable` keeps the checkpoint (turn ends, branch points, ladder rungs); otherwise it is an
-    intermediate one, recycled when the request's next checkpoint is registered."""
+    """`kind` is the checkpoint's class (`eviction.policy`: the pool's weights value each class):
+    an `intermediate` one is recycled when the request's next checkpoint is registered, the
+    others are kept. Callers that only know kept or not say `durable` (kept: a `turn`); a kind
+    given with `durable` must agree with it. `superseded` is not committed: the index demotes a
+    turn end to it."""
 
     rid: str
     stop: int
     checkpoint_tokens: int = 0
     durable: bool = False
+    kind: CheckpointKind | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.durable != (self.kind != "intermediate"):
+            raise ValueError(f"{self.rid}: durable={self.durable} contradicts kind {self.kind!r}")
+
+    @property
+    def checkpoint_class(self) -> CheckpointClass:
+        if self.kind is not None:
+            return self.kind
+        return "turn" if self.durable else "intermediate"
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from gpu_pool.streams import PageMove, plan_fetch
 from gpu_pool.transfer import PageServer, pull
 
 TOKEN = "bench"
-# every destination degree has its same-TP case (the reference of `resharding_cost`)
+# every re-sharded case has a same-TP case with as many connections (see `with_same_tp`)
 DEGREES = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (4, 2), (8, 8), (8, 1))
 QUICK_DEGREES = ((1, 1), (1, 2), (2, 1))
 
@@ -191,15 +191,18 @@ def check(src_pools: Sequence[PagedPool], dst_pools: Sequence[PagedPool],
 
 def with_same_tp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`vs_same_tp`: throughput over the same-TP case of this source degree. `resharding_cost`:
-    the extra time of re-sharding over the same-TP case with as many destination ranks (the same
-    pulling parallelism), each normalised by its own raw-socket copy so that machine noise between
-    the two cases cancels: same ratio / this ratio - 1 (target < 0.10)."""
+    the extra time of re-sharding over the same-TP case with as many connections (the same
+    transfer parallelism: 8 -> 1 is compared with 8 -> 8, not with 1 -> 1), each normalised by its
+    own raw-socket copy so that machine noise between the two cases cancels: same ratio / this
+    ratio - 1 (target < 0.10)."""
     same = {c["src_tp"]: c for c in cases if c["src_tp"] == c["dst_tp"]}
+    by_connections = {c["connections"]: c for c in same.values()}
     for case in cases:
         if case["src_tp"] in same:
             case["vs_same_tp"] = significant(case["gbps"] / same[case["src_tp"]]["gbps"])
-        if case["src_tp"] != case["dst_tp"] and case["dst_tp"] in same:
-            case["resharding_cost"] = significant(same[case["dst_tp"]]["ratio"] / case["ratio"] - 1)
+        reference = by_connections.get(case["connections"])
+        if case["src_tp"] != case["dst_tp"] and reference is not None:
+            case["resharding_cost"] = significant(reference["ratio"] / case["ratio"] - 1)
     return cases
 
 
