@@ -257,7 +257,7 @@ def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
     if args.chunk < 1:
         raise ConfigError("demo.chunk", "must be >= 1")
     options = DemoOptions(spec, args.policy, args.chunk, args.json, args.plot)
-    return up(_cluster_settings(args, 1), lambda cluster: run_demo(cluster, options))
+    return up(_cluster_settings(args, args.agents), lambda cluster: run_demo(cluster, options))
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
@@ -282,6 +282,8 @@ def _add_demo_parser(commands: Any) -> None:
     from cachetier.checkpoint_policy import POLICIES
     demo = commands.add_parser("demo", help="the local cluster serving multi-turn sessions through "
                                             "the tiny hybrid model, every hit verified")
+    demo.add_argument("--agents", type=int, default=2, metavar="N",
+                      help="CPU agents: the tensor-parallel ranks the model runs on (default 2)")
     demo.add_argument("--sessions", type=int, default=24, help="sessions (default 24)")
     demo.add_argument("--turns", type=int, default=5, help="turns per session (default 5)")
     demo.add_argument("--chunk", type=int, default=48, metavar="TOKENS",

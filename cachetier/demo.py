@@ -101,7 +101,8 @@ def run_demo(cluster: Cluster, options: DemoOptions) -> None:
 
 async def _serve(cluster: Cluster, options: DemoOptions) -> DemoReport:
     config = cluster.settings.config
-    pool = PagedPool.attach(_read_handle(cluster.handle_file(0)))
+    ranks = [PagedPool.attach(_read_handle(cluster.handle_file(rank)))
+             for rank in range(cluster.settings.agents)]
     model = TinyHybrid(config.model)
     sessions = make_sessions(options.sessions)
     bar = ProgressBar(sum(len(s.prompts) for s in sessions), "demo")
@@ -114,7 +115,7 @@ async def _serve(cluster: Cluster, options: DemoOptions) -> DemoReport:
 
     started = time.monotonic()
     async with cluster.client() as tier:
-        scheduler = PrefillScheduler(tier, POOL, config, POLICIES[options.policy], model, pool,
+        scheduler = PrefillScheduler(tier, POOL, config, POLICIES[options.policy], model, ranks,
                                      chunk_tokens=options.chunk_tokens, on_result=on_result)
         await scheduler.run(sessions)
         stats = await tier.stats(POOL)

@@ -78,7 +78,7 @@ class _Arrival:
 
 class PrefillScheduler:
     def __init__(self, tier: CacheTierClient, pool_id: str, config: Config,
-                 policy: CheckpointPolicy, model: TinyHybrid, pool: PagedPool, *,
+                 policy: CheckpointPolicy, model: TinyHybrid, ranks: Sequence[PagedPool], *,
                  chunk_tokens: int = 64, max_batch: int = 16, verify: bool = True,
                  on_result: Callable[[RequestResult], None] | None = None) -> None:
         if chunk_tokens < 1:
@@ -88,7 +88,7 @@ class PrefillScheduler:
         self.config = config
         self.policy = policy
         self.model = model
-        self.pool = pool
+        self.ranks = list(ranks)  # every tensor-parallel rank's pool, attached, in rank order
         self.chunk_tokens = chunk_tokens
         self.max_batch = min(max_batch, config.cache.max_batch)
         self.verify = verify
@@ -149,7 +149,7 @@ class PrefillScheduler:
         self.step_count += 1
         by_rid = {r.rid: r for r in batch}
         planned = [(by_rid[p.rid], p) for p in plan.requests]
-        outputs = self.model.forward(self.pool, [ChunkRequest.from_plan(p, r.tokens)
+        outputs = self.model.forward(self.ranks, [ChunkRequest.from_plan(p, r.tokens)
                                                  for r, p in planned])
         items = [self._advance(r, p, out) for (r, p), out in zip(planned, outputs)]
         committed = await self.tier.commit(self.pool_id, items)

@@ -59,7 +59,7 @@ def test_demo_hits_from_the_second_turn_verifies_every_output_and_leaves_nothing
     assert report["checkpoints"] > 0 and report["checkpoint_bytes"] > 0
     assert (tmp_path / "demo-hit-ratio.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pids = children(tmp_path)
-    assert set(pids) == {"redis", "mosquitto", "service", "agent-0"}
+    assert set(pids) == {"redis", "mosquitto", "service", "agent-0", "agent-1"}
     assert not [name for name, pid in pids.items() if running(pid)]
     assert (tmp_path / "redis-data" / "appendonlydir").is_dir()  # AOF: metadata survives `up`
 

@@ -68,7 +68,7 @@ async def tier_for(redis_url: str, num_pages: int) -> AsyncIterator[tuple[CacheT
 async def serve(tier: CacheTierClient, pool_id: str, pool: PagedPool, config: Config,
                 sessions: list[Session], policy: CheckpointPolicy = BRANCH,
                 chunk: int = 24) -> Served:
-    scheduler = PrefillScheduler(tier, pool_id, config, policy, MODEL, pool, chunk_tokens=chunk,
+    scheduler = PrefillScheduler(tier, pool_id, config, policy, MODEL, [pool], chunk_tokens=chunk,
                                  max_batch=4)
     return Served(await scheduler.run(sessions), scheduler, pool)
 
