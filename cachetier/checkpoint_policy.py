@@ -1,20 +1,27 @@
-"""Where a prefill persists KDA checkpoints, and which of them it keeps.
+"""Where a prefill persists KDA checkpoints, which of them it keeps, and as what class.
 
 A checkpoint is the only way back into a prefix for a hybrid model, but it is expensive (one
 kimi-k3 checkpoint weighs as much as ~8,000 tokens of MLA cache), so where they land decides the
 hit ratio. Every policy here follows the seed: after each forward pass the state at the last
 hash-block boundary it processed is persisted to fresh pages, the previous one of the same request
-is recycled (intermediate), and the ones at turn ends are kept (durable). The switches add kept
-checkpoints where the seed leaves a reusable prefix unrestorable:
+is recycled (intermediate), and the ones at turn ends are kept. The switches add kept checkpoints
+where the seed leaves a reusable prefix unrestorable, or keep fewer where bytes are scarce:
 
 - `branch_points`: a request whose MLA match reaches beyond its deepest checkpoint (a prompt that
   branches off a cached conversation after the last checkpoint) ends a forward pass exactly at the
   end of the match and keeps the checkpoint there, so the next request sharing that prefix hits at
   full depth instead of at the previous turn end;
 - `page_ladder`: every forward pass also stops at physical page ends and keeps the checkpoint
-  there, so a long prompt leaves a rung every page that later requests can resume from.
+  there, so a long prompt leaves a rung every page that later requests can resume from; with
+  `spec_rungs` the rungs above the prompt's deepest one are classed `spec` (speculative: the pool's
+  weights may value them less);
+- `deepest_rung`: a pass stops at the prompt's deepest page end only (one rung per prompt);
+- `short_turn_ends`: the turn-end checkpoint is kept only for prompts shorter than a page (a
+  longer prompt's deepest rung serves its next turn nearly as well, for no partial page).
 
-The engine (`cachetier.engine`) and the replay benchmark use the same object, so the benchmark
+Each kept checkpoint is committed with its class (`CommitItem.kind`: branch, rung, spec, turn,
+in that precedence when one boundary is several), which the pool's eviction weights value. The
+engine (`cachetier.engine`) and the replay benchmark use the same object, so the benchmark
 measures the policy the engine runs.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from index.records import CommitItem, RequestPlan, StepRequest
+from index.records import CheckpointKind, CommitItem, RequestPlan, StepRequest
 
 
 @dataclass(frozen=True)
@@ -30,28 +37,57 @@ class CheckpointPolicy:
     name: str
     branch_points: bool = False
     page_ladder: bool = False
+    spec_rungs: bool = False
+    deepest_rung: bool = False
+    short_turn_ends: bool = False
+
+    def __post_init__(self) -> None:
+        if self.page_ladder and self.deepest_rung:
+            raise ValueError(f"{self.name}: page_ladder and deepest_rung exclude each other")
+        if self.spec_rungs and not self.page_ladder:
+            raise ValueError(f"{self.name}: spec_rungs needs page_ladder")
 
     def first_step(self, rid: str, compute_tokens: int, prompt_tokens: int,
                    hashes: bytes) -> StepRequest:
         """A new request: its hashes go to the index, which knows where it will start."""
         return StepRequest(rid, compute_tokens, prompt_tokens, hashes,
-                           stop_at_match=self.branch_points, stop_at_page_end=self.page_ladder)
+                           stop_at_match=self.branch_points, stop_at_page_end=self.page_ladder,
+                           stop_at_last_page_end=self.deepest_rung)
 
     def next_step(self, rid: str, compute_tokens: int) -> StepRequest:
         return StepRequest(rid, compute_tokens, stop_at_match=self.branch_points,
-                           stop_at_page_end=self.page_ladder)
+                           stop_at_page_end=self.page_ladder,
+                           stop_at_last_page_end=self.deepest_rung)
 
     def commit_item(self, plan: RequestPlan, prompt_tokens: int, block_tokens: int,
                     page_tokens: int) -> CommitItem:
         """What the forward pass of `plan` persisted: the checkpoint the plan gave pages for (the
-        last hash-block boundary of the pass). It is kept when it is the turn's last boundary (the
-        pass reaching the prompt's end may cross none, so the turn-end checkpoint can be the one
-        of an earlier pass), a branch point, or (ladder) a page end."""
+        last hash-block boundary of the pass), with its class; none when the policy does not keep
+        a checkpoint there after all (a long prompt's turn end with `short_turn_ends`)."""
+        kind = self.checkpoint_kind(plan, prompt_tokens, block_tokens, page_tokens)
+        if kind is None:
+            return CommitItem(plan.rid, plan.stop)
+        return CommitItem(plan.rid, plan.stop, plan.checkpoint_tokens, kind=kind)
+
+    def checkpoint_kind(self, plan: RequestPlan, prompt_tokens: int, block_tokens: int,
+                        page_tokens: int) -> CheckpointKind | None:
+        """The class of the checkpoint at `plan.checkpoint_tokens`. It is kept when it is a
+        branch point, a rung, or the turn's last boundary (the pass reaching the prompt's end may
+        cross none, so the turn-end checkpoint can be the one of an earlier pass); otherwise it
+        is intermediate."""
         at = plan.checkpoint_tokens
-        kept = at > 0 and (at == prompt_tokens // block_tokens * block_tokens
-                           or (self.branch_points and plan.hit_tokens < plan.match_tokens == at)
-                           or (self.page_ladder and at % page_tokens == 0))
-        return CommitItem(plan.rid, plan.stop, at, kept)
+        if at == 0:
+            return None
+        turn_end = prompt_tokens // block_tokens * block_tokens
+        deepest = (prompt_tokens - 1) // page_tokens * page_tokens  # the deepest rung below the end
+        if self.branch_points and plan.hit_tokens < plan.match_tokens == at:
+            return "branch"
+        ladder = self.page_ladder or (self.deepest_rung and at == deepest)
+        if ladder and at % page_tokens == 0 and not at == turn_end > deepest:
+            return "spec" if self.spec_rungs and at < deepest else "rung"
+        if at == turn_end:
+            return None if self.short_turn_ends and prompt_tokens >= page_tokens else "turn"
+        return "intermediate"
 
 
 SEED = CheckpointPolicy("seed")

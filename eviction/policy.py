@@ -25,6 +25,7 @@ request resumed from and went past: the index demotes it, and an exact repeat pr
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -86,8 +87,9 @@ class EvictionWeights:
                    bonus=PerClass.kept(intermediate, durable))
 
     def terms(self, entry: Entry, kda_groups: int) -> tuple[float, float]:
-        """(bonus, value term): the class-dependent parts of the score."""
-        bonus, value, freed = (self.mla if entry.is_mla else -float("inf")), 0.0, entry.pages
+        """(bonus, value term): the class-dependent parts of the score. A checkpoint counts once
+        in its own class, so its bonus is its class's."""
+        bonus, value, freed = (self.mla if entry.is_mla else -math.inf), 0.0, entry.pages
         for cls, n, gain in zip(CLASSES, entry.counts, entry.gains):
             if n > 0:
                 bonus = max(bonus, self.bonus[cls])
@@ -126,8 +128,8 @@ def recency() -> EvictionWeights:
 
 
 def value() -> EvictionWeights:
-    """GreedyDual on prefill tokens saved per page id (Marconi-like): a checkpoint weighs three
-    page ids, i.e. ~18,000 MLA tokens on kimi-k3, so it stays only where it saves more than that.
+    """GreedyDual on prefill tokens saved per page id (Marconi-like): a kimi-k3 checkpoint takes
+    three page ids, the room of 18,432 tokens of MLA pages, so it stays only where it saves more.
     Branch points are worth double (every later sibling resumes there); speculative rungs and
     superseded turn ends are worth little but not nothing."""
     return EvictionWeights(clock=1.0, value=PerClass(intermediate=0.0, turn=1.0, branch=2.0,

@@ -96,9 +96,9 @@ CheckpointKind = Literal["intermediate", "turn", "branch", "rung", "spec"]
 class CommitItem:
     """`kind` is the checkpoint's class (`eviction.policy`: the pool's weights value each class):
     an `intermediate` one is recycled when the request's next checkpoint is registered, the
-    others are kept. Callers that only know kept or not say `durable` (kept: a `turn`); a kind
-    given with `durable` must agree with it. `superseded` is not committed: the index demotes a
-    turn end to it."""
+    others are kept. Callers that only know kept or not say `durable` (kept: a `turn`); with a
+    kind, `durable` follows it. `superseded` is not committed: the index demotes a turn end to it
+    once a later request resumed from it and went past."""
 
     rid: str
     stop: int
@@ -107,8 +107,10 @@ class CommitItem:
     kind: CheckpointKind | None = None
 
     def __post_init__(self) -> None:
-        if self.kind is not None and self.durable != (self.kind != "intermediate"):
-            raise ValueError(f"{self.rid}: durable={self.durable} contradicts kind {self.kind!r}")
+        if self.kind is not None:
+            if self.durable and self.kind == "intermediate":
+                raise ValueError(f"{self.rid}: a durable checkpoint cannot be intermediate")
+            object.__setattr__(self, "durable", self.kind != "intermediate")
 
     @property
     def checkpoint_class(self) -> CheckpointClass:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from cachetier.config import Config
-from eviction.policy import EvictionWeights, lru
+from eviction.policy import CLASSES, Entry, EvictionWeights, lru
 from index.errors import BadRequest, CorruptState, StaleEpoch, UnknownEntity
 from index.hashing import hash_len
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, PageCopy,
@@ -30,6 +30,7 @@ class PoolState:
     fresh: int = 0
     tick: int = 0
     ticket: int = 0
+    clock: float = 0.0
     pages: dict[int, dict[str, Any]] = field(default_factory=dict)
     free: deque[int] = field(default_factory=deque)
     ep: dict[bytes, tuple[int, int]] = field(default_factory=dict)
@@ -68,11 +69,10 @@ class ReferenceIndex:
         return blob[(i - 1) * self.HL:i * self.HL]
 
     def _score(self, rec: dict[str, Any]) -> float:
-        if rec["k"] == "K":
-            cls = "durable" if rec["dur"] == 1 else "intermediate"
-        else:
-            cls = "durable" if rec["dur"] > 0 else "mla"
-        return self.w.score(cls, rec["lu"], rec["depth"], len(rec["pages"]))
+        return self.w.score(entry_of(rec), self.kda)
+
+    def _stamp(self, rec: dict[str, Any]) -> None:
+        rec["lu"], rec["lc"] = self.s.tick, self.s.clock
 
     @staticmethod
     def _evictable(rec: dict[str, Any]) -> bool:
@@ -97,7 +97,7 @@ class ReferenceIndex:
                 ids.append(self.s.fresh)
                 self.s.fresh += 1
         self.s.pages[ids[0]] = {"k": kind, "g": 0, "pages": ids, "st": "private", "ref": 1,
-                                "owner": owner, "lu": 0, "dur": 0, "depth": 0, "kids": 0}
+                                "owner": owner, "lu": 0, "lc": 0, "depth": 0, "kids": 0}
         return ids[0], ids
 
     def _free_set(self, rec: dict[str, Any]) -> None:
@@ -114,8 +114,9 @@ class ReferenceIndex:
         anchor = self.s.pages.get(rec["anchor"])
         if anchor is not None:
             anchor["cks"] = [c for c in anchor["cks"] if c != h]
-            if rec["dur"] == 1:
-                anchor["dur"] -= 1
+            i = CLASSES.index(rec["cls"])
+            anchor["cn"][i] -= 1
+            anchor["cg"][i] -= rec["gain"]
             self._save_lead(rec["anchor"], anchor)
         self._free_set(rec)
         removed.append(Removal("ck", h))
@@ -131,6 +132,7 @@ class ReferenceIndex:
             parent = self.s.pages[rec["par"]]
             parent["kids"] -= 1
             parent["lu"] = max(parent["lu"], rec["lu"])
+            parent["lc"] = max(parent["lc"], rec["lc"])
             self._save_lead(rec["par"], parent)
         self._free_set(rec)
 
@@ -140,6 +142,8 @@ class ReferenceIndex:
         # ZRANGE order: score, then the member string.
         lead = min(self.s.lru, key=lambda pid: (self.s.lru[pid], str(pid)))
         rec = self.s.pages[lead]
+        _, value = self.w.terms(entry_of(rec), self.kda)
+        self.s.clock = max(self.s.clock, rec["lc"] + value)  # GreedyDual inflation
         if rec["k"] == "K":
             self._drop_checkpoint(rec["h"], removed)
         else:
@@ -156,7 +160,7 @@ class ReferenceIndex:
         if rec is None or rec["ref"] < 1:
             raise CorruptState(f"unpin of unpinned page {lead}")
         rec["ref"] -= 1
-        rec["lu"] = self.s.tick
+        self._stamp(rec)
         self._save_lead(lead, rec)
 
     def _new_ticket(self, rids: list[str]) -> int:
@@ -259,10 +263,13 @@ class ReferenceIndex:
             p["stop"] = min(p["tokens"], p["start"] + item.compute_tokens)
             if item.stop_at_match and p["match"] > p["start"]:
                 p["stop"] = min(p["stop"], p["match"])
+            page_tokens = self.B * self.PB
             if item.stop_at_page_end:
-                page_tokens = self.B * self.PB
                 p["stop"] = min(p["stop"], (p["start"] // page_tokens + 1) * page_tokens)
-            p["new_slots"] = math.ceil(p["stop"] / (self.B * self.PB)) - p["slots_have"]
+            last_page_end = (p["tokens"] - 1) // page_tokens * page_tokens
+            if item.stop_at_last_page_end and last_page_end > p["start"]:
+                p["stop"] = min(p["stop"], last_page_end)
+            p["new_slots"] = max(0, math.ceil(p["stop"] / (self.B * self.PB)) - p["slots_have"])
             p["want_ckpt"] = (item.checkpoint and self.kda > 0
                               and p["stop"] // self.B > p["start"] // self.B)
             need += p["new_slots"] * self.mla + (self.kda if p["want_ckpt"] else 0)
@@ -291,7 +298,7 @@ class ReferenceIndex:
         r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "mt": p["match"],
              "pin": p["anchor"],
              "spath": p["shared"], "own": [], "shared": shared, "state": -1, "ck": -1,
-             "reg": p["hit"], "inter": b"", "pend": [], "hoff": hoff, "tix": []}
+             "reg": p["hit"], "pck": p["hit"], "inter": b"", "pend": [], "hoff": hoff, "tix": []}
         if self.kda > 0:
             lead, ids = self._alloc_set("K", self.kda, rid)
             r["state"] = lead
@@ -355,10 +362,12 @@ class ReferenceIndex:
             state = "none"
             if item.checkpoint_tokens > 0:
                 state = self._register_checkpoint(item.rid, r, blob, item.checkpoint_tokens // self.B,
-                                                  int(item.durable), p, ticket, removed)
+                                                  item.checkpoint_class, p, ticket, removed)
             elif r["ck"] >= 0:
                 self._free_set(self.s.pages[r["ck"]])
                 r["ck"] = -1
+            if item.stop == r["tokens"]:
+                self._settle_restored(r, blob)
             r["pend"].append(p)
             r["pos"] = r["stop"] = item.stop
             r["tix"].append(ticket)
@@ -394,7 +403,8 @@ class ReferenceIndex:
             path, par = parent["path"] + pack_ids(parent["pages"]), e[0]
             parent["kids"] += 1
             self._save_lead(e[0], parent)
-        rec.update(path=path, par=par, st="pending", depth=(slot + 1) * self.PB * self.B, eps=[], cks=[], rf=0, fill=0)
+        rec.update(path=path, par=par, st="pending", depth=(slot + 1) * self.PB * self.B, eps=[], cks=[], rf=0, fill=0,
+                   cn=[0] * len(CLASSES), cg=[0] * len(CLASSES))
         return True
 
     def _register_endpoints(self, rid: str, r: dict[str, Any], blob: bytes, upto: int,
@@ -418,7 +428,7 @@ class ReferenceIndex:
         return count
 
     def _register_checkpoint(self, rid: str, r: dict[str, Any], blob: bytes, blocks: int,
-                             durable: int, p: dict[str, Any], ticket: int,
+                             kind: str, p: dict[str, Any], ticket: int,
                              removed: list[Removal]) -> str:
         h = self._h(blob, blocks)
         existing = self.s.ck.get(h)
@@ -426,33 +436,56 @@ class ReferenceIndex:
         ck_lead, r["ck"] = r["ck"], -1
         if existing is not None or e is None:
             self._free_set(self.s.pages[ck_lead])
-            if existing is not None and durable == 1:
+            if existing is not None and kind != "intermediate":
                 rec = self.s.pages[existing]
-                if rec["dur"] == 0:
-                    rec["dur"] = 1
-                    self._save_lead(existing, rec)
-                    anchor = self.s.pages[rec["anchor"]]
-                    anchor["dur"] += 1
-                    self._save_lead(rec["anchor"], anchor)
+                if rec["cls"] in ("intermediate", "superseded"):
+                    self._reclass(existing, rec, kind)
             return "duplicate" if existing is not None else "unanchored"
         rec = self.s.pages[ck_lead]
-        rec.update(st="pending", ref=0, owner="", h=h, anchor=e[0], dur=durable, lu=self.s.tick,
-                   depth=blocks * self.B, tk=ticket)
+        rec.update(st="pending", ref=0, owner="", h=h, anchor=e[0], cls=kind,
+                   gain=(blocks - r["pck"]) * self.B, depth=blocks * self.B, tk=ticket,
+                   dur=int(kind != "intermediate"))
+        self._stamp(rec)
         self._save_lead(ck_lead, rec)
         self.s.ck[h] = ck_lead
         anchor = self.s.pages[e[0]]
         anchor["cks"].append(h)
-        anchor["dur"] += durable
+        i = CLASSES.index(kind)
+        anchor["cn"][i] += 1
+        anchor["cg"][i] += rec["gain"]
         self._save_lead(e[0], anchor)
         p["ck"], p["ckh"] = ck_lead, h
+        if kind not in ("intermediate", "spec"):
+            r["pck"] = blocks
         if r["inter"]:
             old = self.s.ck.get(r["inter"])
             if old is not None:
                 orec = self.s.pages[old]
-                if orec["st"] == "ready" and orec["ref"] == 0 and orec["dur"] == 0:
+                if orec["st"] == "ready" and orec["ref"] == 0 and orec["cls"] == "intermediate":
                     self._drop_checkpoint(r["inter"], removed)
-        r["inter"] = b"" if durable == 1 else h
+        r["inter"] = h if kind == "intermediate" else b""
         return "registered"
+
+    def _reclass(self, lead: int, rec: dict[str, Any], cls: str) -> None:
+        anchor = self.s.pages[rec["anchor"]]
+        i, j = CLASSES.index(rec["cls"]), CLASSES.index(cls)
+        anchor["cn"][i] -= 1
+        anchor["cg"][i] -= rec["gain"]
+        anchor["cn"][j] += 1
+        anchor["cg"][j] += rec["gain"]
+        rec["cls"], rec["dur"] = cls, int(cls != "intermediate")
+        self._save_lead(rec["anchor"], anchor)
+        self._save_lead(lead, rec)
+
+    def _settle_restored(self, r: dict[str, Any], blob: bytes) -> None:
+        if self.kda == 0 or r["hit"] == 0:
+            return
+        lead = self.s.ck.get(self._h(blob, r["hit"] // self.B))
+        if lead is None or self.s.pages[lead]["cls"] not in ("turn", "superseded"):
+            return
+        cls = "superseded" if r["pck"] * self.B > r["hit"] else "turn"
+        if cls != self.s.pages[lead]["cls"]:
+            self._reclass(lead, self.s.pages[lead], cls)
 
     # -- confirm.lua --------------------------------------------------------------------------
     def confirm(self, epoch: int, ticket: int) -> int:
@@ -549,6 +582,7 @@ class ReferenceIndex:
             return
         rec["owner"] = ""
         rec["ref"] -= 1
+        self._stamp(rec)
         self._save_lead(lead, rec)
 
     # -- evict.lua, invalidate_pool.lua ------------------------------------------------------
@@ -560,9 +594,28 @@ class ReferenceIndex:
             n += 1
         return EvictResult(n, removed)
 
+    def reweigh(self, epoch: int, weights: EvictionWeights) -> None:
+        """reweigh.lua walked from the first page id to the last: every member rescored."""
+        self._check_epoch(epoch)
+        self.w = weights
+        for lead in self.s.lru:
+            self.s.lru[lead] = self._score(self.s.pages[lead])
+
     def invalidate(self) -> int:
-        self.s = PoolState(epoch=self.s.epoch + 1, tick=self.s.tick, ticket=self.s.ticket)
+        self.s = PoolState(epoch=self.s.epoch + 1, tick=self.s.tick, ticket=self.s.ticket,
+                           clock=self.s.clock)
         return self.s.epoch
+
+
+def entry_of(rec: dict[str, Any]) -> Entry:
+    """What the score reads of a registered lead record: a checkpoint counts as one of its class;
+    an MLA page carries its anchored checkpoints' counts and gains per class."""
+    if rec["k"] == "K":
+        counts = tuple(int(c == rec["cls"]) for c in CLASSES)
+        gains = tuple(rec["gain"] * n for n in counts)
+    else:
+        counts, gains = tuple(rec["cn"]), tuple(rec["cg"])
+    return Entry(rec["k"] == "M", rec["lu"], rec["lc"], rec["depth"], len(rec["pages"]), counts, gains)
 
 
 def pack_ids(ids: list[int]) -> bytes:

@@ -18,7 +18,7 @@ from redis.exceptions import ResponseError
 from index.errors import from_reply
 
 SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evict",
-                "invalidate_pool", "probe", "pin_prefix")
+                "invalidate_pool", "probe", "pin_prefix", "reweigh")
 USES_MATCH = frozenset({"plan_step", "probe", "pin_prefix"})  # look a prompt up
 
 

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from index.reference import PoolState, pack_ids
 
-_TEXT_FIELDS = ("k", "st", "owner")
+_TEXT_FIELDS = ("k", "st", "owner", "cls")
 
 
 async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
@@ -26,9 +26,11 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
     pipe.zrange(lru_k, 0, -1, withscores=True).hgetall(req_k).hgetall(reqh_k).hgetall(tix_k)
     pipe.hgetall(rf_k).hgetall(path_k)
     meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path = await pipe.execute()
+    clock = float(meta.get(b"clock", 0))
     meta = {k.decode(): int(float(v)) for k, v in meta.items() if not k.startswith(b"w_")}
     return PoolState(
         epoch=meta["epoch"], fresh=meta["fresh"], tick=meta["tick"], ticket=meta["ticket"],
+        clock=clock,
         pages=_records(pages, rf, path),
         free=deque(int(x) for x in free),
         ep={h: tuple(msgpack.unpackb(v)) for h, v in ep.items()},

@@ -59,11 +59,20 @@ class PrefixIndex:
 
     async def create(self) -> int:
         """Create the pool (or join an existing one of the same geometry); returns its epoch."""
-        args: list[Any] = []
-        for name, value in pool_fields(self.config, self.weights).items():
-            args += [name, repr(value) if isinstance(value, float) else value]
+        args = _pairs(pool_fields(self.config, self.weights))
         self.epoch = int(await self._scripts.call("create_pool", self.keys, args))
         return self.epoch
+
+    async def reweigh(self, weights: EvictionWeights, batch: int = 4096) -> int:
+        """Switch the pool to new eviction weights and rescore its eviction order, `batch` page
+        ids per script call (each call is short, so other operations interleave); returns the
+        number of calls."""
+        args, first, calls = _pairs(weights.as_pool_fields()), 0, 0
+        while first >= 0:
+            first = int(await self._call("reweigh", [first, batch, *args], decode=False))
+            calls += 1
+        self.weights = weights
+        return calls
 
     async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         self._check_batch(requests)
@@ -83,7 +92,7 @@ class PrefixIndex:
     async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
         self._check_size(items)
         batch = [{"rid": i.rid, "stop": i.stop, "ckpt_tokens": i.checkpoint_tokens,
-                  "durable": int(i.durable)} for i in items]
+                  "kind": i.checkpoint_class} for i in items]
         reply = await self._call("commit", [_pack(batch)])
         return CommitResult(
             ticket=reply["ticket"],
@@ -131,13 +140,13 @@ class PrefixIndex:
         return PinnedPrefix(reader, reply["epoch"], reply["hit"] * self.config.cache.hash_block_tokens,
                             table if reply["hit"] else [], list(_list(reply["ckpt"])))
 
-    async def _call(self, name: str, args: list[Any]) -> dict[str, Any]:
+    async def _call(self, name: str, args: list[Any], decode: bool = True) -> Any:
         try:
             raw = await self._scripts.call(name, self.keys, [self.epoch, *args])
         except StaleEpoch:
             self.epoch = await self.current_epoch()
             raise
-        return _decode_keys(msgpack.unpackb(raw, raw=True))
+        return _decode_keys(msgpack.unpackb(raw, raw=True)) if decode else raw
 
     def _encode_batch(self, requests: Sequence[StepRequest]) -> list[dict[str, Any]]:
         """New requests name their hash blob by position among the extra script arguments."""
@@ -156,7 +165,8 @@ class PrefixIndex:
         if isinstance(r.compute_tokens, bool) or not isinstance(r.compute_tokens, int) or r.compute_tokens < 1:
             raise ValueError(f"{r.rid}: compute_tokens must be an integer >= 1")
         item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint),
-                                "at_match": int(r.stop_at_match), "at_page": int(r.stop_at_page_end)}
+                                "at_match": int(r.stop_at_match), "at_page": int(r.stop_at_page_end),
+                                "at_last": int(r.stop_at_last_page_end)}
         if r.is_new:
             blocks = (r.prompt_tokens or 0) // self.config.cache.hash_block_tokens
             if len(r.hashes) != blocks * self._hash_len:
@@ -174,6 +184,14 @@ class PrefixIndex:
     def _check_size(self, items: Sequence[object]) -> None:
         if len(items) > self.config.cache.max_batch:
             raise ValueError(f"batch of {len(items)} exceeds max_batch {self.config.cache.max_batch}")
+
+
+def _pairs(fields: dict[str, int | float]) -> list[Any]:
+    """Field, value pairs as script arguments; floats by repr, which round-trips exactly."""
+    out: list[Any] = []
+    for name, value in fields.items():
+        out += [name, repr(value) if isinstance(value, float) else value]
+    return out
 
 
 def _pack(value: object) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from eviction.policy import EvictionWeights, lru
 from index.errors import BadRequest, PoolConflict, StaleEpoch, UnknownEntity, UnknownPool
 from index.hashing import chain_hashes
 from index.records import StepRequest
@@ -45,8 +46,8 @@ async def raw(d, script: str, *args):
 GOOD_HASHES = chain_hashes(list(range(12)), ROOT, 4)
 
 
-def new_item(rid="x", compute=1, tokens=12, hashes=1, ckpt=1) -> dict:
-    return {"rid": rid, "compute": compute, "ckpt": ckpt, "tokens": tokens, "hashes": hashes}
+def new_item(rid="x", compute=1, tokens=12, hashes=1, ckpt=1, **flags) -> dict:
+    return {"rid": rid, "compute": compute, "ckpt": ckpt, "tokens": tokens, "hashes": hashes, **flags}
 
 
 RAW_PLAN_CASES = {
@@ -60,6 +61,7 @@ RAW_PLAN_CASES = {
     "hashes argument missing": (packed([new_item(hashes=2)]), [GOOD_HASHES]),
     "hashes inline": (packed([new_item(hashes=GOOD_HASHES)]), []),
     "ckpt not 0/1": (packed([new_item(ckpt=2)]), [GOOD_HASHES]),
+    "at_last not 0/1": (packed([new_item(at_last=3)]), [GOOD_HASHES]),
     "duplicate rid": (packed([new_item(), new_item(hashes=2)]), [GOOD_HASHES] * 2),
     "over max_batch": (packed([new_item(rid=f"x{i}", hashes=i + 1) for i in range(CONFIG.cache.max_batch + 1)]),
                        [GOOD_HASHES] * (CONFIG.cache.max_batch + 1)),
@@ -86,15 +88,17 @@ async def test_the_raw_plan_cases_are_valid_once_fixed(warm):
 
 
 COMMIT_CASES = {
-    "checkpoint off the hash block": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 6, "durable": 0}], BadRequest),
-    "checkpoint beyond stop": ([{"rid": "mid", "stop": 4, "ckpt_tokens": 8, "durable": 0}], BadRequest),
-    "stop beyond the plan": ([{"rid": "mid", "stop": 9, "ckpt_tokens": 0, "durable": 0}], BadRequest),
-    "stop not after start": ([{"rid": "mid", "stop": 0, "ckpt_tokens": 0, "durable": 0}], BadRequest),
-    "stop a string": ([{"rid": "mid", "stop": "8", "ckpt_tokens": 0, "durable": 0}], BadRequest),
-    "durable not 0/1": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 0, "durable": 7}], BadRequest),
-    "unknown request": ([{"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "durable": 0}], UnknownEntity),
-    "good then unknown": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8, "durable": 0},
-                           {"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "durable": 0}], UnknownEntity),
+    "checkpoint off the hash block": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 6, "kind": "turn"}], BadRequest),
+    "checkpoint beyond stop": ([{"rid": "mid", "stop": 4, "ckpt_tokens": 8, "kind": "turn"}], BadRequest),
+    "stop beyond the plan": ([{"rid": "mid", "stop": 9, "ckpt_tokens": 0, "kind": "turn"}], BadRequest),
+    "stop not after start": ([{"rid": "mid", "stop": 0, "ckpt_tokens": 0, "kind": "turn"}], BadRequest),
+    "stop a string": ([{"rid": "mid", "stop": "8", "ckpt_tokens": 0, "kind": "turn"}], BadRequest),
+    "kind unknown": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 0, "kind": "forever"}], BadRequest),
+    "kind superseded": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8, "kind": "superseded"}], BadRequest),
+    "kind missing": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8}], BadRequest),
+    "unknown request": ([{"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "kind": "turn"}], UnknownEntity),
+    "good then unknown": ([{"rid": "mid", "stop": 8, "ckpt_tokens": 8, "kind": "turn"},
+                           {"rid": "nobody", "stop": 8, "ckpt_tokens": 0, "kind": "turn"}], UnknownEntity),
 }
 
 
@@ -125,7 +129,16 @@ async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
         await PrefixIndex(redis, "never-created", CONFIG).release(["mid"])
     with pytest.raises(PoolConflict):
         await PrefixIndex(redis, "p", small_config(num_pages=999)).create()
+    for args in ([0, 10], [0, 0, *weight_args(lru())], [-1, 10, *weight_args(lru())],
+                 [0, 10, *weight_args(lru())[:-2]], [0, 10, *weight_args(lru()), "w_forever", 1],
+                 [0, 10, *weight_args(lru())[:-1], "inf"]):
+        with pytest.raises(BadRequest):
+            await raw(warm, "reweigh", *args)
     assert await dump(redis) == before
+
+
+def weight_args(weights: EvictionWeights) -> list:
+    return [x for name, value in weights.as_pool_fields().items() for x in (name, repr(value))]
 
 
 async def test_client_side_checks_name_the_problem(warm):

@@ -87,7 +87,7 @@ async def test_checkpoint_is_reachable_in_all_groups_or_none(redis):
 async def test_evicting_an_mla_page_frees_the_checkpoints_it_anchors(redis):
     """With weights that evict MLA pages first, the checkpoint loses its prefix and must go too."""
     config = small_config(kda_groups=2)
-    weights = EvictionWeights(recency=1.0, mla=0.0, intermediate=2.0**41, durable=2.0**42, depth=0.0)
+    weights = EvictionWeights.tiers(recency=1.0, mla=0.0, intermediate=2.0**41, durable=2.0**42)
     index = PrefixIndex(redis, "w", config, weights)
     await index.create()
     d = Driver(index, config)

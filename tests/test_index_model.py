@@ -1,7 +1,9 @@
 """Hypothesis state machine: the Lua scripts on a real redis-server against the in-memory reference.
 
 Random steps (new and continuing requests, batched), commits at random chunk ends with or without
-checkpoints, confirms in any order, releases, explicit evictions and pool invalidations. After every
+checkpoints of every class, confirms in any order, releases, explicit evictions, switches of the
+eviction weights (LRU tiers, GreedyDual value, odd fractions) rescored in small batches, and pool
+invalidations. After every
 operation both must have answered the same (page ids included), the whole Redis state must equal the
 reference's, `sanity_check` must pass (refcounts = holders, never negative, no page both free and
 referenced, leaf-first tree intact, checkpoints anchored), and the byte model must show that every
@@ -21,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from cachetier.config import Config
+from eviction.policy import EvictionWeights, PerClass, lru, recency, value
 from index.errors import CacheIndexError
 from index.records import CommitItem, StepPlan, StepRequest
 from index.reference import ReferenceIndex
@@ -54,6 +57,16 @@ class ReferenceAdapter:
     async def invalidate(self):
         self.epoch = self.model.invalidate()
         return self.epoch
+
+    async def reweigh(self, weights, batch):
+        return self.model.reweigh(self.epoch, weights)
+
+
+KINDS = ("intermediate", "turn", "branch", "rung", "spec")
+ODD = st.sampled_from([0.0, 1.0, 0.1, 1 / 3, 2.5, 1e-3, 2.0**40])
+WEIGHTS = st.sampled_from([lru(), recency(), value()]) | st.builds(
+    EvictionWeights, recency=ODD, clock=ODD, mla=ODD, depth=ODD,
+    bonus=st.builds(PerClass, *[ODD] * 6), value=st.builds(PerClass, *[ODD] * 6))
 
 
 def prompt(doc: int, length: int, branch: int | None, variant: int) -> list[int]:
@@ -108,13 +121,15 @@ class IndexMachine(RuleBasedStateMachine):
             requests.append(replace(new_request(rid, toks, data.draw(st.integers(1, 40)), block,
                                                 data.draw(st.booleans())),
                                     stop_at_match=data.draw(st.booleans()),
-                                    stop_at_page_end=data.draw(st.booleans())))
+                                    stop_at_page_end=data.draw(st.booleans()),
+                                    stop_at_last_page_end=data.draw(st.booleans())))
             tokens[rid] = toks
         for rid, state in sorted(self.status.items()):
             if state == "committed" and data.draw(st.booleans(), label=f"continue {rid}"):
                 requests.append(StepRequest(rid, data.draw(st.integers(1, 40)),
                                             stop_at_match=data.draw(st.booleans()),
-                                            stop_at_page_end=data.draw(st.booleans())))
+                                            stop_at_page_end=data.draw(st.booleans()),
+                                            stop_at_last_page_end=data.draw(st.booleans())))
         result = self.both("plan", requests, tokens)
         if isinstance(result, StepPlan):
             self.tickets.append(result.ticket)
@@ -123,15 +138,18 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(doc=st.integers(0, 2), length=st.integers(1, 70), branch=st.none() | st.integers(0, 69),
           variant=st.integers(0, 1), chunk=st.integers(1, 40), keep=st.booleans(),
-          at_match=st.booleans(), at_page=st.booleans())
-    def serve(self, doc, length, branch, variant, chunk, keep, at_match, at_page) -> None:
+          at_match=st.booleans(), at_page=st.booleans(), at_last=st.booleans(), spec=st.booleans())
+    def serve(self, doc, length, branch, variant, chunk, keep, at_match, at_page, at_last,
+              spec) -> None:
         """A whole prefill the way an engine runs it, so later requests find a warm cache; with
-        `at_match`/`at_page` its steps stop at branch points and page ends, kept durable there."""
+        `at_match`/`at_page`/`at_last` its steps stop at branch points and page ends, and the
+        checkpoints there are kept, classed as a policy would (`spec`: rungs above the deepest)."""
         self.serial += 1
         rid = f"s{self.serial}"
         toks = prompt(doc, length, branch, variant)
-        block = self.config.cache.hash_block_tokens
-        split = {"stop_at_match": at_match, "stop_at_page_end": at_page}
+        block, page = self.config.cache.hash_block_tokens, self.config.cache.page_tokens
+        split = {"stop_at_match": at_match, "stop_at_page_end": at_page,
+                 "stop_at_last_page_end": at_last}
         step = replace(new_request(rid, toks, chunk, block), **split)
         while True:
             plan = self.both("plan", [step], {rid: toks})
@@ -140,8 +158,15 @@ class IndexMachine(RuleBasedStateMachine):
             self.both("confirm", plan.ticket)
             (r,) = plan.requests
             ck = r.stop // block * block
-            kept = r.stop == length or (at_match and r.stop == r.match_tokens)
-            item = CommitItem(rid, r.stop, ck if r.checkpoint_pages else 0, kept)
+            if r.stop == length:
+                kind = "turn"
+            elif at_match and r.stop == r.match_tokens:
+                kind = "branch"
+            elif (at_page or at_last) and r.stop % page == 0:
+                kind = "spec" if spec and r.stop < (length - 1) // page * page else "rung"
+            else:
+                kind = "intermediate"
+            item = CommitItem(rid, r.stop, ck if r.checkpoint_pages else 0, kind=kind)
             self.both("confirm", self.both("commit", [item]).ticket)
             if r.stop == length:
                 break
@@ -163,7 +188,9 @@ class IndexMachine(RuleBasedStateMachine):
             stop = data.draw(st.integers(plan.start + 1, plan.stop))
             ck = stop // block * block
             with_ck = bool(plan.checkpoint_pages) and ck > plan.start and data.draw(st.booleans())
-            items.append(CommitItem(rid, stop, ck if with_ck else 0, data.draw(st.booleans())))
+            kind = data.draw(st.none() | st.sampled_from(KINDS))
+            durable = kind is None and data.draw(st.booleans())
+            items.append(CommitItem(rid, stop, ck if with_ck else 0, durable, kind))
         result = self.both("commit", items)
         self.tickets.append(result.ticket)
         for item in items:
@@ -189,6 +216,12 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(count=st.integers(1, 4))
     def evict(self, count: int) -> None:
         self.both("evict", count)
+
+    @rule(weights=WEIGHTS, batch=st.integers(1, 8))
+    def reweigh(self, weights: EvictionWeights, batch: int) -> None:
+        """A policy switch: new weights, the eviction order rescored a few page ids per call."""
+        for driver in (self.real, self.ref):
+            self.loop.run_until_complete(driver.index.reweigh(weights, batch))
 
     @rule(data=st.data())
     def continue_uncommitted_is_refused(self, data) -> None:
@@ -222,7 +255,8 @@ class IndexMachine(RuleBasedStateMachine):
     def redis_equals_reference_and_is_sane(self) -> None:
         state = self.loop.run_until_complete(read_pool(self.redis, self.real.index.keys))
         expected = self.ref.index.model.s
-        for name in ("epoch", "tick", "ticket", "fresh", "free", "ep", "ck", "lru", "reqh", "tix", "pages", "req"):
+        for name in ("epoch", "tick", "ticket", "clock", "fresh", "free", "ep", "ck", "lru", "reqh", "tix",
+                     "pages", "req"):
             assert getattr(state, name) == getattr(expected, name), f"{name} differs"
         sanity_check(state, self.config.cache.num_pages, self.config.cache.blocks_per_page)
 

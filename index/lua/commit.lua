@@ -4,7 +4,8 @@
 -- ARGV[1] - epoch
 -- ARGV[2] - msgpack list of {rid = str, stop = tokens now processed (start < stop <= planned stop),
 --           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
---           (a multiple of the hash block inside (start, stop]) or 0, durable = 0|1}
+--           (a multiple of the hash block inside (start, stop]) or 0,
+--           kind = intermediate | turn | branch | rung | spec (the checkpoint's class)}
 -- returns msgpack {ticket, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
 --           `stored` is the chain of block hashes this commit processed (registered here or
 --           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
@@ -18,6 +19,11 @@
 -- checkpoint may anchor on another request's pending endpoint (two requests of one step computing
 -- the same prefix): it is matched only once that endpoint is confirmed too, and it is dropped with
 -- the endpoint if that request is released unconfirmed (release rolls anchored checkpoints back).
+-- A checkpoint's `gain` is the tokens it adds over the deepest kept (not intermediate, not spec)
+-- checkpoint of its request so far (`pck`: its hit to begin with): what losing it costs a later
+-- request that would hit it. The commit that completes a prompt re-classes the turn end the
+-- request resumed from: `superseded` when the request registered a deeper kept checkpoint (the
+-- conversation went on past it), `turn` again otherwise (an exact repeat).
 
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
@@ -25,6 +31,7 @@ local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 if #batch == 0 then fail("BADINPUT", "empty commit") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 
+local COMMIT_KINDS = {intermediate = true, turn = true, branch = true, rung = true, spec = true}
 local reqs, seen = {}, {}
 for n, item in ipairs(batch) do
   if type(item) ~= "table" or type(item.rid) ~= "string" then fail("BADINPUT", "each commit needs a string rid") end
@@ -43,7 +50,9 @@ for n, item in ipairs(batch) do
     if c <= r.pos or c > item.stop then fail("BADINPUT", item.rid .. ": ckpt_tokens must lie in (" .. r.pos .. ", " .. item.stop .. "]") end
     if r.ck < 0 then fail("BADINPUT", item.rid .. ": no checkpoint pages were planned for this step") end
   end
-  if item.durable ~= 0 and item.durable ~= 1 then fail("BADINPUT", item.rid .. ": durable must be 0 or 1") end
+  if type(item.kind) ~= "string" or not COMMIT_KINDS[item.kind] then
+    fail("BADINPUT", item.rid .. ": kind must be one of intermediate, turn, branch, rung, spec")
+  end
   reqs[n] = r
 end
 
@@ -66,6 +75,7 @@ local function attach(rid, lead, rec, slot, hash_at)
   end
   redis.call("HSET", K_RF, lead, 0)
   rec.par, rec.st, rec.depth, rec.eps, rec.cks, rec.fill = par, "pending", (slot + 1) * PB * B, {}, {}, 0
+  rec.cn, rec.cg = {0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0}
   return true
 end
 
@@ -90,7 +100,7 @@ local function register_endpoints(rid, r, hash_at, upto, fills)
   return count
 end
 
-local function register_checkpoint(rid, r, hash_at, blocks, durable, p)
+local function register_checkpoint(rid, r, hash_at, blocks, kind, p)
   local h = hash_at(blocks)
   local existing = redis.call("HGET", K_CK, h)
   local e = get_ep(h)
@@ -98,38 +108,50 @@ local function register_checkpoint(rid, r, hash_at, blocks, durable, p)
   r.ck = -1
   if existing or e == nil then
     free_set(m, get_rec(ck_lead))
-    if existing and durable == 1 then
+    if existing and kind ~= "intermediate" then  -- a kept kind promotes what is worth less
       local rec = get_rec(tonumber(existing))
-      if rec.dur == 0 then
-        rec.dur = 1
-        save_lead(m, tonumber(existing), rec)
-        local anchor = get_rec(rec.anchor)
-        anchor.dur = anchor.dur + 1
-        save_lead(m, rec.anchor, anchor)
+      if rec.cls == "intermediate" or rec.cls == "superseded" then
+        reclass(m, tonumber(existing), rec, kind)
       end
     end
     return existing and "duplicate" or "unanchored"
   end
   local rec = get_rec(ck_lead)
   rec.st, rec.ref, rec.owner, rec.h, rec.anchor = "pending", 0, "", h, e[1]
-  rec.dur, rec.lu, rec.depth, rec.tk = durable, m.tick, blocks * B, ticket
+  rec.cls, rec.gain, rec.depth, rec.tk = kind, (blocks - r.pck) * B, blocks * B, ticket
+  if kind == "intermediate" then rec.dur = 0 else rec.dur = 1 end
+  stamp(m, rec)
   save_lead(m, ck_lead, rec)
   redis.call("HSET", K_CK, h, ck_lead)
   local anchor = get_rec(e[1])
   anchor.cks[#anchor.cks + 1] = h
-  anchor.dur = anchor.dur + durable
+  local i = CLASS_INDEX[kind]
+  anchor.cn[i], anchor.cg[i] = anchor.cn[i] + 1, anchor.cg[i] + rec.gain
   save_lead(m, e[1], anchor)
   p.ck, p.ckh = ck_lead, h
+  if kind ~= "intermediate" and kind ~= "spec" then r.pck = blocks end
   -- Recycle this request's previous intermediate checkpoint: progress made it obsolete.
   if r.inter ~= "" then
     local old = redis.call("HGET", K_CK, r.inter)
     if old then
       local orec = get_rec(tonumber(old))
-      if orec.st == "ready" and orec.ref == 0 and orec.dur == 0 then drop_checkpoint(m, r.inter, removed) end
+      if orec.st == "ready" and orec.ref == 0 and orec.cls == "intermediate" then drop_checkpoint(m, r.inter, removed) end
     end
   end
-  if durable == 1 then r.inter = "" else r.inter = h end
+  if kind == "intermediate" then r.inter = h else r.inter = "" end
   return "registered"
+end
+
+-- The prompt is complete: the turn end it resumed from was superseded if it went further.
+local function settle_restored(r, hash_at)
+  if m.kda_groups == 0 or r.hit == 0 then return end
+  local lead = redis.call("HGET", K_CK, hash_at(r.hit / B))
+  if not lead then return end
+  local rec = get_rec(tonumber(lead))
+  if rec.cls ~= "turn" and rec.cls ~= "superseded" then return end
+  local cls = "turn"
+  if r.pck * B > r.hit then cls = "superseded" end
+  if cls ~= rec.cls then reclass(m, tonumber(lead), rec, cls) end
 end
 
 -- The forward pass read the restored state, so the step's copies are done: drop the restore pins
@@ -155,11 +177,12 @@ for n, item in ipairs(batch) do
   local parent = first > 0 and hash_at(first) or ""
   local ck_state = "none"
   if item.ckpt_tokens > 0 then
-    ck_state = register_checkpoint(item.rid, r, hash_at, item.ckpt_tokens / B, item.durable, p)
+    ck_state = register_checkpoint(item.rid, r, hash_at, item.ckpt_tokens / B, item.kind, p)
   elseif r.ck >= 0 then
     free_set(m, get_rec(r.ck))
     r.ck = -1
   end
+  if item.stop == r.tokens then settle_restored(r, hash_at) end
   r.pend[#r.pend + 1] = p
   r.pos, r.stop = item.stop, item.stop
   r.tix[#r.tix + 1] = ticket

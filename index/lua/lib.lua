@@ -37,6 +37,20 @@ local function is_int(v, lo, hi)
   return type(v) == "number" and v == math.floor(v) and v >= lo and (hi == nil or v <= hi)
 end
 
+-- Checkpoint classes (eviction/policy.py CLASSES, same order): MLA leads count their anchored
+-- checkpoints per class (`cn`) and sum their gains per class (`cg`), in this order.
+local CLASSES = {"intermediate", "turn", "branch", "rung", "spec", "superseded"}
+local CLASS_INDEX = {}
+for i, c in ipairs(CLASSES) do CLASS_INDEX[c] = i end
+
+-- The per-class weights as arrays in CLASSES order (`wb` bonus, `wv` value), for `score`.
+local function class_weights(m)
+  m.wb, m.wv = {}, {}
+  for i, c in ipairs(CLASSES) do
+    m.wb[i], m.wv[i] = m["w_bonus_" .. c], m["w_value_" .. c]
+  end
+end
+
 local function load_meta(expected_epoch)
   local raw = redis.call("HGETALL", K_META)
   if #raw == 0 then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
@@ -47,7 +61,27 @@ local function load_meta(expected_epoch)
     if want == nil then fail("BADINPUT", "epoch must be an integer") end
     if want ~= m.epoch then fail("STALE", "pool epoch is " .. m.epoch .. ", caller has " .. want) end
   end
+  class_weights(m)
   return m
+end
+
+-- The eviction weights a pool stores (eviction.policy.EvictionWeights.as_pool_fields): checks
+-- field/value pairs from ARGV[first] on; returns them as a table, or fails naming the bad one.
+local WEIGHT_FIELDS = {w_recency = true, w_clock = true, w_mla = true, w_depth = true}
+for _, c in ipairs(CLASSES) do
+  WEIGHT_FIELDS["w_bonus_" .. c], WEIGHT_FIELDS["w_value_" .. c] = true, true
+end
+
+local function check_weight(field, value)
+  if value == nil or value ~= value or value == math.huge or value == -math.huge then
+    fail("BADINPUT", field .. " must be a finite number")
+  end
+end
+
+local function require_fields(fields, given)
+  for field in pairs(fields) do
+    if given[field] == nil then fail("BADINPUT", "missing pool field " .. field) end
+  end
 end
 
 local function get_packed(key, field)
@@ -85,14 +119,36 @@ local function block_hash(blob, hl, i)
   return string.sub(blob, (i - 1) * hl + 1, i * hl)
 end
 
+-- The class-dependent terms of the score (eviction.policy.EvictionWeights.terms): the highest
+-- bonus and the value per page freed over what evicting `rec` removes (a checkpoint: itself; an
+-- MLA page: itself and the checkpoints anchored on it).
+local function terms(m, rec)
+  local freed = #rec.pages
+  if rec.k == "K" then
+    local i = CLASS_INDEX[rec.cls]
+    return m.wb[i], m.wv[i] * rec.gain / freed
+  end
+  local bonus, value = m.w_mla, 0
+  for i = 1, #CLASSES do
+    if rec.cn[i] > 0 then
+      if m.wb[i] > bonus then bonus = m.wb[i] end
+      value = value + m.wv[i] * rec.cg[i]
+      freed = freed + rec.cn[i] * m.kda_groups
+    end
+  end
+  return bonus, value / freed
+end
+
 -- The eviction score: lower is evicted first. Mirrors eviction.policy.EvictionWeights.score.
 local function score(m, rec)
-  local bonus
-  if rec.k == "K" then
-    if rec.dur == 1 then bonus = m.w_durable else bonus = m.w_intermediate end
-  elseif rec.dur > 0 then bonus = m.w_durable
-  else bonus = m.w_mla end
-  return m.w_recency * rec.lu + bonus + m.w_depth * rec.depth / #rec.pages
+  local bonus, value = terms(m, rec)
+  return m.w_recency * rec.lu + m.w_clock * rec.lc + bonus + m.w_depth * rec.depth / #rec.pages
+         + value
+end
+
+-- Last use: the logical tick and the GreedyDual clock at that moment.
+local function stamp(m, rec)
+  rec.lu, rec.lc = m.tick, m.clock
 end
 
 local function evictable(rec)
@@ -110,6 +166,18 @@ local function save_lead(m, id, rec)
   end
 end
 
+-- Moves a registered checkpoint to another class; its anchor's per-class sums follow.
+local function reclass(m, lead, rec, cls)
+  local anchor = get_rec(rec.anchor)
+  local i, j = CLASS_INDEX[rec.cls], CLASS_INDEX[cls]
+  anchor.cn[i], anchor.cg[i] = anchor.cn[i] - 1, anchor.cg[i] - rec.gain
+  anchor.cn[j], anchor.cg[j] = anchor.cn[j] + 1, anchor.cg[j] + rec.gain
+  rec.cls = cls
+  if cls == "intermediate" then rec.dur = 0 else rec.dur = 1 end
+  save_lead(m, rec.anchor, anchor)
+  save_lead(m, lead, rec)
+end
+
 local function free_count(m)
   return redis.call("LLEN", K_FREE) + (m.num_pages - m.fresh)
 end
@@ -122,7 +190,7 @@ local function alloc_set(m, kind, n, owner)
     m.fresh = m.fresh + 1
   end
   put_rec(ids[1], {k = kind, g = 0, pages = ids, st = "private", ref = 1, owner = owner,
-                   lu = 0, dur = 0, depth = 0, kids = 0})
+                   lu = 0, lc = 0, depth = 0, kids = 0})
   return ids[1], ids
 end
 
@@ -150,7 +218,8 @@ local function drop_checkpoint(m, h, removed)
   local anchor = get_rec(rec.anchor)
   if anchor then
     remove_from(anchor.cks, h)
-    if rec.dur == 1 then anchor.dur = anchor.dur - 1 end
+    local i = CLASS_INDEX[rec.cls]
+    anchor.cn[i], anchor.cg[i] = anchor.cn[i] - 1, anchor.cg[i] - rec.gain
     save_lead(m, rec.anchor, anchor)
   end
   free_set(m, rec)
@@ -169,6 +238,7 @@ local function drop_mla(m, id, rec, removed)
     local parent = get_rec(rec.par)
     parent.kids = parent.kids - 1
     if rec.lu > parent.lu then parent.lu = rec.lu end
+    if rec.lc > parent.lc then parent.lc = rec.lc end
     save_lead(m, rec.par, parent)
   end
   free_set(m, rec)
@@ -179,13 +249,15 @@ local function evict_one(m, removed)
   if #top == 0 then return false end
   local id = tonumber(top[1])
   local rec = get_rec(id)
+  local _, value = terms(m, rec)
+  if rec.lc + value > m.clock then m.clock = rec.lc + value end  -- GreedyDual inflation
   if rec.k == "K" then drop_checkpoint(m, rec.h, removed) else drop_mla(m, id, rec, removed) end
   return true
 end
 
 local function save_meta(m)
   redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket,
-             "lru_pages", m.lru_pages)
+             "lru_pages", m.lru_pages, "clock", m.clock)
 end
 
 local function pin(m, id)
@@ -198,7 +270,7 @@ local function unpin(m, id)
   local rec = get_rec(id)
   if rec == nil or rec.ref < 1 then error("CT_CORRUPT unpin of unpinned page " .. id) end
   rec.ref = rec.ref - 1
-  rec.lu = m.tick
+  stamp(m, rec)
   save_lead(m, id, rec)
 end
 

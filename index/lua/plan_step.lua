@@ -5,7 +5,9 @@
 -- ARGV[2] - msgpack list of requests: {rid = str, compute = tokens to compute this step,
 --           ckpt = 0|1 (persist a checkpoint when crossing a hash block), at_match = 0|1 (default 0: end the
 --           step at the request's MLA match when that lies beyond its start: a branch point),
---           at_page = 0|1 (default 0: end the step at the next page end: a ladder rung), and for a new request
+--           at_page = 0|1 (default 0: end the step at the next page end: a ladder rung),
+--           at_last = 0|1 (default 0: end the step at the prompt's deepest page end before its
+--           last token, when the step starts before it: the deepest rung), and for a new request
 --           tokens = prompt length, hashes = n: ARGV[2 + n] holds the chained hashes of every
 --           complete hash block}. An active request id continues its prefill; an unknown one is
 --           looked up.
@@ -36,8 +38,8 @@ local function check_request(item, seen)
   if seen[item.rid] then fail("BADINPUT", "request " .. item.rid .. " appears twice in the step") end
   seen[item.rid] = true
   if not is_int(item.compute, 1) then fail("BADINPUT", item.rid .. ": compute must be an integer >= 1") end
-  item.at_match, item.at_page = item.at_match or 0, item.at_page or 0
-  for _, flag in ipairs({"ckpt", "at_match", "at_page"}) do
+  item.at_match, item.at_page, item.at_last = item.at_match or 0, item.at_page or 0, item.at_last or 0
+  for _, flag in ipairs({"ckpt", "at_match", "at_page", "at_last"}) do
     if item[flag] ~= 0 and item[flag] ~= 1 then fail("BADINPUT", item.rid .. ": " .. flag .. " must be 0 or 1") end
   end
   local r = get_req(item.rid)
@@ -86,7 +88,10 @@ for n, item in ipairs(batch) do
   p.stop = math.min(p.tokens, p.start + item.compute)
   if item.at_match == 1 and p.match > p.start then p.stop = math.min(p.stop, p.match) end
   if item.at_page == 1 then p.stop = math.min(p.stop, (math.floor(p.start / PT) + 1) * PT) end
-  p.new_slots = math.ceil(p.stop / PT) - p.slots_have
+  local last_page_end = math.floor((p.tokens - 1) / PT) * PT
+  if item.at_last == 1 and last_page_end > p.start then p.stop = math.min(p.stop, last_page_end) end
+  -- A commit may stop short of its plan, so a request can own slots beyond this step's stop.
+  p.new_slots = math.max(0, math.ceil(p.stop / PT) - p.slots_have)
   p.want_ckpt = item.ckpt == 1 and m.kda_groups > 0 and math.floor(p.stop / B) > math.floor(p.start / B)
   need = need + p.new_slots * m.mla_groups
   if p.want_ckpt then need = need + m.kda_groups end
@@ -119,8 +124,8 @@ local function start_request(p, rid, copies)
   local shared = p.slots_have
   local hoff = math.max(shared * PB - 1, 0)
   local r = {tokens = p.tokens, pos = p.start, hit = p.start, mt = p.match, pin = p.anchor, spath = p.shared,
-             own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, inter = "", pend = {},
-             hoff = hoff, tix = {}}
+             own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, pck = p.hit, inter = "",
+             pend = {}, hoff = hoff, tix = {}}
   if m.kda_groups > 0 then
     local lead, ids = alloc_set(m, "K", m.kda_groups, rid)
     r.state = lead

@@ -8,8 +8,9 @@
 -- Registrations the request never confirmed are rolled back (their bytes may never have been
 -- written): endpoints above the page's ready fill are removed with the checkpoints anchored on
 -- them, and a page with nothing confirmed is freed. Confirmed pages stay cached and become
--- evictable. The request leaves the tickets it was waiting on, and a ticket left with no request
--- is deleted. Unknown ids are reported, not an error, so a retry after a timeout is harmless.
+-- evictable, stamped as used now (else a new page would rank as never used and go first). The
+-- request leaves the tickets it was waiting on, and a ticket left with no request is deleted.
+-- Unknown ids are reported, not an error, so a retry after a timeout is harmless.
 
 local m = load_meta(ARGV[1])
 local rids = unpack_arg(ARGV[2], "request id list")
@@ -56,6 +57,7 @@ local function release_page(lead)
   end
   rec.owner = ""
   rec.ref = rec.ref - 1
+  stamp(m, rec)  -- handed to the cache now: its last use, not never
   save_lead(m, lead, rec)
 end
 
