@@ -109,14 +109,19 @@ async def test_a_prefill_prefix_lands_in_the_decode_pool_resharded(redis, redis_
         await no_pins(redis, "decode", DECODE)
 
 
-async def dying_source(self: PageServer, conn: socket.socket) -> None:
-    """A page server that accepts, sends half of the first stream and dies."""
+async def half_a_stream(conn: socket.socket) -> None:
+    """What a page server sends before it fails: the acceptance and half of the first stream."""
     frame = await read_frame(conn, 2**20)
     streams = frame["streams"]
     _, slot, _, nbytes, page, offset = streams[0]
     accepted = StreamsAccepted(len(streams), sum(row[3] for row in streams))
     await send_buffers(conn, [encode_frame(ok_frame(frame["id"], accepted)),
                               STREAM_HEADER.pack(page, slot, offset, nbytes), bytes(nbytes // 2)])
+
+
+async def dying_source(self: PageServer, conn: socket.socket) -> None:
+    """A page server that accepts, sends half of the first stream and dies."""
+    await half_a_stream(conn)
 
 
 async def test_a_source_dying_mid_stream_fails_retryably_and_leaves_nothing(redis, redis_url,
@@ -146,13 +151,7 @@ async def test_a_destination_dying_mid_stream_fails_retryably_and_leaves_nothing
     midway = asyncio.Event()
 
     async def stalling_source(self: PageServer, conn: socket.socket) -> None:
-        frame = await read_frame(conn, 2**20)
-        streams = frame["streams"]
-        _, slot, _, nbytes, page, offset = streams[0]
-        accepted = StreamsAccepted(len(streams), sum(row[3] for row in streams))
-        await send_buffers(conn, [encode_frame(ok_frame(frame["id"], accepted)),
-                                  STREAM_HEADER.pack(page, slot, offset, nbytes),
-                                  bytes(nbytes // 2)])
+        await half_a_stream(conn)
         midway.set()
         await asyncio.sleep(3600)
 

@@ -79,24 +79,9 @@ unlimited capacity.
   `recency` mode (deep agentic sessions under a tight budget): checkpoints only at the deepest page
     end a request crosses (a turn end only for prompts shorter than a page: no partial page and no
     superseded checkpoint per turn), lib.lua's LRU tiers.
-What it needs from the real index, beyond stop_at_match / stop_at_page_end / match_tokens /
-durable (all simulated here):
-  1. release.lua must stamp lu = tick on the pages it hands to the cache (today they keep lu = 0
-     until a hit pins them, so new pages go first: seed on an agentic trace at 100 GB 0.80 -> 0.24).
-  2. A checkpoint class instead of `dur` 0/1 (`CommitItem.kind`: turn | branch | rung | spec;
-     intermediate when not durable), per-class `bonus` and `value` weights in meta, and on the
-     anchor page the sum of its checkpoints' value[cls] * gain and their count (kept like `dur`).
-  3. `gain` on checkpoint records: blocks past the request's previous checkpoint (its hit, then
-     each non-spec checkpoint it registered): commit has both in the request record.
-  4. A GreedyDual stamp: meta `clock`, raised by evict_one to rec.lc + value term; every place that
-     sets lu also sets lc = clock (parents inherit max); score gains `w_clock * lc` and the value
-     term; the depth term becomes per class over `gain` rather than `depth` (prefix_tokens).
-  5. Demotion at commit: the turn-end commit of a request re-classes the checkpoint it restored
-     from (turn -> superseded) when it registered a deeper one, else superseded -> turn.
-  6. `stop_at_page_end` for the deepest page end only (recency mode), i.e. the first pass stops at
-     the last page end before L when that lies beyond the hit; `checkpoint=False` on the last pass.
-  7. A rescore script for mode switches (ZADD every eviction-set member with the new weights), and
-     the shadow models in the control plane (memory: metadata of one pool per mode).
+The real index implements all of it (release's recency stamp, checkpoint classes and gains, the
+GreedyDual clock, demotion, `stop_at_last_page_end`, `reweigh.lua`; see cachetier/replay/adaptive.py
+for the runner with its shadow pools), and tests/test_replay.py compares the two on the baselines.
 """
 
 from __future__ import annotations
