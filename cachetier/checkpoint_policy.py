@@ -83,7 +83,7 @@ class CheckpointPolicy:
         if self.branch_points and plan.hit_tokens < plan.match_tokens == at:
             return "branch"
         ladder = self.page_ladder or (self.deepest_rung and at == deepest)
-        if ladder and at % page_tokens == 0 and not at == turn_end > deepest:
+        if ladder and at % page_tokens == 0 and not (at == turn_end and turn_end > deepest):
             return "spec" if self.spec_rungs and at < deepest else "rung"
         if at == turn_end:
             return None if self.short_turn_ends and prompt_tokens >= page_tokens else "turn"

@@ -276,6 +276,14 @@ class CacheTierService:
                                                         "restarted", [msg.rank]))
         return state, Registered(state.index.epoch, state.config.model, state.config.cache)
 
+    async def _lose_failed(self, state: _Pool, links: list[AgentLink],
+                           cause: BaseException) -> None:
+        """Drop the agents a failed step says it lost (the others stay)."""
+        if isinstance(cause, AgentLost):
+            for link in links:
+                if link.rank in cause.ranks:
+                    await self._lose(state, link, str(cause))
+
     async def _lose(self, state: _Pool, link: AgentLink, why: str) -> None:
         """Stop using `link` and start a new epoch, once per link: every caller (its connection
         ending, a step that saw it fail, a liveness report) waits for that same invalidation,
@@ -354,10 +362,7 @@ class CacheTierService:
         """Give back the step's pins and pages. The loss of an agent is handled first (a slow
         one may still be copying: dropping it starts a new epoch, so nothing is planned on pages
         it may yet write), so the failed step is answered in the new epoch."""
-        if isinstance(cause, AgentLost):
-            for link in links:
-                if link.rank in cause.ranks:
-                    await self._lose(state, link, str(cause))
+        await self._lose_failed(state, links, cause)
         with contextlib.suppress(StaleEpoch):  # invalidated: the pins are void
             await state.index.release([r.rid for r in plan.requests])
 
@@ -412,10 +417,7 @@ class CacheTierService:
             except (CacheIndexError, BadMessage):  # refused before any pin: retrying won't help
                 raise
             except Exception as exc:
-                if isinstance(exc, AgentLost):
-                    for link in dst_links:
-                        if link.rank in exc.ranks:
-                            await self._lose(dst, link, str(exc))
+                await self._lose_failed(dst, dst_links, exc)
                 raise step_failed(exc) from exc
 
     async def _health(self, msg: Health) -> HealthReport:

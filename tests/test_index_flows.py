@@ -247,3 +247,28 @@ async def test_page_end_stops_cut_every_step_at_the_next_page_end(redis):
     again = tokens[:40] + [9] * 5
     assert only(await d.plan([new_request("b", again, 8, 4)], {"b": again})).hit_tokens == 32
     await check(d, config)
+
+
+async def test_a_checkpoint_anchored_on_another_requests_pending_endpoint_waits_for_it(redis):
+    """Two requests of one step compute the same prefix: the second one's checkpoint anchors on
+    the first one's pending endpoint. Confirming the second alone must not make it matchable
+    (invariant 2: the endpoint's bytes are not confirmed), and releasing the first unconfirmed
+    must take the checkpoint with it."""
+    config = small_config()
+    d = await make(redis, config)
+    a, b = list(range(60, 80)) + [1] * 4, list(range(60, 80)) + [2]  # b's checkpoint: at 20
+    step = await d.plan([new_request("a", a, 24, 4), new_request("b", b, 24, 4)], {"a": a, "b": b})
+    await d.confirm(step.ticket)
+    plans = {r.rid: r for r in step.requests}
+    await d.commit([commit_item(plans["a"], 24, durable=True)])
+    second = await d.commit([commit_item(plans["b"], 21, durable=True)])
+    assert second.requests[0].checkpoint == "registered"      # anchored on a's pending page
+    await d.confirm(second.ticket)
+    probe = list(range(60, 80)) + [3] * 4
+    hit = only(await d.plan([new_request("p", probe, 4, 4)], {"p": probe})).hit_tokens
+    assert hit == 0, "a checkpoint on an unconfirmed endpoint was matched"
+    await d.release(["p", "a"])                                  # a never confirmed its commit
+    state = await read_pool(redis, d.index.keys)
+    assert not state.ck, "the checkpoint outlived the endpoint it was anchored on"
+    await d.release(["b"])
+    await check(d, config)
