@@ -27,39 +27,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from cachetier.config import PRESETS, Config, ConfigError, load_config
-from cachetier.framing import DEFAULT_MAX_FRAME
+from cachetier.config import (PRESETS, Config, ConfigError, add_config_arguments, config_from_args,
+                              load_config)
+from cachetier.wire.framing import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
-    from cachetier.cluster import ClusterSettings
+    from cachetier.run.cluster import ClusterSettings
 
 BENCHES = ("lookup", "restore", "service", "transfer")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that select a configuration: a preset, then a TOML file, then single overrides."""
-    parser.add_argument("--preset", default="tiny",
-                        help=f"starting configuration: one of {', '.join(sorted(PRESETS))}")
-    parser.add_argument("--config", metavar="FILE.toml",
-                        help="TOML file whose [model]/[cache] tables override the preset")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        type=_parse_override, metavar="SECTION.KEY=VALUE",
-                        help="override one field, e.g. cache.page_tokens=6144 (repeatable)")
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The configuration the flags of `add_config_arguments` describe; every failure a ConfigError."""
-    try:
-        return load_config(args.preset, args.config, dict(args.overrides))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError("--config", str(exc)) from exc
-
-
-def _parse_override(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=VALUE, got {text!r}")
-    return key.strip(), value.strip()
 
 
 def _config_show(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -133,8 +108,8 @@ def _cell(value: Any) -> str:
 
 
 def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from cachetier.nodes import run_service
-    from cachetier.service import ServiceSettings
+    from cachetier.run.nodes import run_service
+    from cachetier.service.server import ServiceSettings
     settings = ServiceSettings(
         redis_url=args.redis, token=_token(args), config=config_from_args(args), listen=args.listen,
         copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
@@ -149,7 +124,7 @@ def _announce_listening(url: str) -> None:
 
 def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from gpu_pool.agent import AgentSettings
-    from cachetier.nodes import run_agent
+    from cachetier.run.nodes import run_agent
     settings = AgentSettings(
         services=tuple(args.service), pool=args.pool, token=_token(args), rank=args.rank,
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
@@ -230,7 +205,7 @@ def _add_agent_parser(commands: Any) -> None:
 
 
 def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
-    from cachetier.cluster import ClusterSettings
+    from cachetier.run.cluster import ClusterSettings
     args.overrides.append(("model.tp_degree", str(agents)))  # one agent per rank
     config = config_from_args(args)  # a bad configuration is refused here, not in a child
     serve_config = ["--preset", args.preset, *(["--config", args.config] if args.config else []),
@@ -242,14 +217,14 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
 
 
 def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from cachetier.cluster import up
+    from cachetier.run.cluster import up
     return up(_cluster_settings(args, args.agents))
 
 
 def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from cachetier.cluster import up
-    from cachetier.demo import DemoOptions, run_demo
-    from cachetier.sessions import SessionSpec
+    from cachetier.run.cluster import up
+    from cachetier.run.demo import DemoOptions, run_demo
+    from cachetier.engine.sessions import SessionSpec
     try:
         spec = SessionSpec(sessions=args.sessions, turns=args.turns, seed=args.seed)
     except ValueError as exc:
@@ -279,7 +254,7 @@ def _add_up_parser(commands: Any) -> None:
 
 
 def _add_demo_parser(commands: Any) -> None:
-    from cachetier.checkpoint_policy import POLICIES
+    from cachetier.engine.checkpoint_placement import POLICIES
     demo = commands.add_parser("demo", help="the local cluster serving multi-turn sessions through "
                                             "the tiny hybrid model, every hit verified")
     demo.add_argument("--agents", type=int, default=2, metavar="N",

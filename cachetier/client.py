@@ -23,12 +23,12 @@ import asyncio
 import random
 from typing import Any, Sequence
 
-from cachetier.channel import Channel, exchange
 from cachetier.errors import BrokenStream, ConnectionLost
-from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint
-from cachetier.protocol import (PROTOCOL_VERSION, Commit, Confirm, Handoff, HandoffReply, Health,
-                                HealthReport, Hello, Plan, PlanReply, PoolStats, Release, Route,
-                                RouteReply, Stats, Welcome)
+from cachetier.wire.channel import Channel, exchange
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint
+from cachetier.wire.protocol import (PROTOCOL_VERSION, Commit, Confirm, Handoff, HandoffReply,
+                                     Health, HealthReport, Hello, Plan, PlanReply, PoolStats,
+                                     Release, Route, RouteReply, Stats, Welcome)
 from index.prefix import PrefixProbe
 from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
                            StepRequest)

@@ -9,6 +9,7 @@ the offending field, so a bad TOML file or CLI flag never reaches Redis or a GPU
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import tomllib
 from dataclasses import dataclass
@@ -241,3 +242,29 @@ def _parse_scalar(text: str) -> Any:
         return int(text)
     except ValueError:
         return text
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that select a configuration: a preset, then a TOML file, then single overrides."""
+    parser.add_argument("--preset", default="tiny",
+                        help=f"starting configuration: one of {', '.join(sorted(PRESETS))}")
+    parser.add_argument("--config", metavar="FILE.toml",
+                        help="TOML file whose [model]/[cache] tables override the preset")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        type=_parse_override, metavar="SECTION.KEY=VALUE",
+                        help="override one field, e.g. cache.page_tokens=6144 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The configuration the flags of `add_config_arguments` describe; every failure a ConfigError."""
+    try:
+        return load_config(args.preset, args.config, dict(args.overrides))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--config", str(exc)) from exc
+
+
+def _parse_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected SECTION.KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()

@@ -28,15 +28,15 @@ from pathlib import Path
 
 import torch
 
-from cachetier.channel import exchange, serve_requests
 from cachetier.config import CacheSpec, ModelSpec
 from cachetier.errors import (BrokenStream, CacheTierError, ConnectionLost, RemoteError,
                               RequestTimeout, error_info)
-from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
-from cachetier.hooks import AgentObserver
-from cachetier.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fetch,
-                                Hello, Register, Registered)
+from cachetier.wire.channel import exchange, serve_requests
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
+from cachetier.wire.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fetch,
+                                     Hello, Register, Registered)
 from gpu_pool import PageLayout, PagedPool, PoolHandle
+from gpu_pool.observer import AgentObserver
 from gpu_pool.streams import PageMove
 from gpu_pool.transfer import PageServer, pull
 from kernels import page_copy

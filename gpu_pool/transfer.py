@@ -35,10 +35,11 @@ import torch
 
 from cachetier.errors import (AgentUnavailable, BrokenStream, ConnectionLost, TransferFailed,
                               Unauthorized, error_info)
-from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, encode_frame
-from cachetier.protocol import (error_frame, ok_frame, op_table, parse_reply, parse_request,
-                                request_frame, request_id, result_of)
-from cachetier.sockio import SocketServer, connect, read_frame, recv_into, send_buffers, send_frame
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, encode_frame
+from cachetier.wire.protocol import (error_frame, ok_frame, op_table, parse_reply, parse_request,
+                                     request_frame, request_id, result_of)
+from cachetier.wire.sockio import (SocketServer, connect, read_frame, recv_into, send_buffers,
+                                   send_frame)
 from gpu_pool.layout import ByteRange, PageLayout
 from gpu_pool.pool import PagedPool
 from gpu_pool.streams import PageMove, Stream, plan_fetch

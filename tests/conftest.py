@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from cachetier.servers import RedisServer
+from cachetier.run.servers import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -11,15 +11,10 @@ import dataclasses
 
 import pytest
 
-from cachetier.checkpoint_policy import SEED, CheckpointPolicy
 from cachetier.config import load_config
+from cachetier.engine.checkpoint_placement import SEED, CheckpointPolicy
 from cachetier.replay.adaptive import RECENCY, VALUE, AdaptiveRunner, Switching
-from cachetier.replay.replayer import (
-    PromptHashes,
-    ReplayContext,
-    replay_budget,
-    unlimited,
-)
+from cachetier.replay.replayer import PromptHashes, ReplayContext, replay_budget, unlimited
 from cachetier.replay.traces import AgenticSpec, synth_agentic
 from eviction.policy import CLASSES, lru, value
 from index.records import CommitItem, RequestPlan, StepRequest

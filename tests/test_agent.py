@@ -14,16 +14,16 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from gpu_pool.agent import Agent, AgentSettings
-from cachetier.channel import Channel
 from cachetier.client import CacheTierClient
 from cachetier.config import CacheSpec, Config
 from cachetier.errors import ErrorCode, RemoteError
-from cachetier.framing import Endpoint, FramedStream
-from cachetier.hooks import AgentObserver
-from cachetier.protocol import (PROTOCOL_VERSION, AgentIdentity, CopyBatch, Hello, Register,
-                                Registered, Welcome, ok_frame, op_table, parse_request)
+from cachetier.wire.channel import Channel
+from cachetier.wire.framing import Endpoint, FramedStream
+from cachetier.wire.protocol import (PROTOCOL_VERSION, AgentIdentity, CopyBatch, Hello, Register,
+                                     Registered, Welcome, ok_frame, op_table, parse_request)
 from gpu_pool import PagedPool
+from gpu_pool.agent import Agent, AgentSettings
+from gpu_pool.observer import AgentObserver
 from tests.test_service import (TINY, TOKEN, eventually, running_agent,  # noqa: F401
                                 running_service, service)
 

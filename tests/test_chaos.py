@@ -43,12 +43,12 @@ import torch
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
-from cachetier.fleet import AgentLink
-from cachetier.hooks import ServiceObserver
-from cachetier.nodes import run_service
-from cachetier.protocol import CopyBatch
-from cachetier.servers import MosquittoServer, RedisServer, parent_death_hook
-from cachetier.service import ServiceSettings
+from cachetier.run.nodes import run_service
+from cachetier.run.servers import MosquittoServer, RedisServer, parent_death_hook
+from cachetier.service.fleet import AgentLink
+from cachetier.service.observer import ServiceObserver
+from cachetier.service.server import ServiceSettings
+from cachetier.wire.protocol import CopyBatch
 from gpu_pool import PagedPool
 from index.records import RequestPlan, StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
@@ -64,7 +64,7 @@ DOCS = [[1000 * (d + 1) + (13 * i + 7 * d) % 997 for i in range(256)] for d in r
 
 ZYGOTE = r"""
 import ctypes, json, os, signal, sys
-import torch, kernels, gpu_pool, gpu_pool.agent, cachetier.nodes, cachetier.cli
+import torch, kernels, gpu_pool, gpu_pool.agent, cachetier.run.nodes, cachetier.cli
 libc = ctypes.CDLL(None, use_errno=True)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # dead agents are reaped by the kernel
 print("ready", flush=True)

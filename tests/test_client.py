@@ -16,8 +16,8 @@ import pytest
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import ConnectionLost, RemoteError, RequestTimeout
-from cachetier.framing import Endpoint
-from cachetier.protocol import HealthReport, PoolStats
+from cachetier.wire.framing import Endpoint
+from cachetier.wire.protocol import HealthReport, PoolStats
 from index.records import StepRefusal
 from tests.index_harness import new_request
 from tests.test_service import BLOCK, TOKEN, agent, running_service, service, tier  # noqa: F401

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from cachetier.cli import build_parser
-from cachetier.mqtt import BrokerAddress
+from cachetier.events.mqtt import BrokerAddress
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachetier.checkpoint_policy import BRANCH, POLICIES, SEED, CheckpointPolicy
 from cachetier.client import CacheTierClient
 from cachetier.config import PRESETS, Config
-from cachetier.engine import PrefillScheduler, RequestResult
-from cachetier.sessions import Session, SessionSpec, make_sessions
+from cachetier.engine.checkpoint_placement import BRANCH, POLICIES, SEED, CheckpointPolicy
+from cachetier.engine.scheduler import PrefillScheduler, RequestResult
+from cachetier.engine.sessions import Session, SessionSpec, make_sessions
 from gpu_pool import PagedPool
 from index.records import RequestPlan
 from index.snapshot import read_pool, sanity_check

@@ -19,11 +19,11 @@ import torch
 from cachetier.client import CacheTierClient
 from cachetier.config import CacheSpec, Config, ModelSpec
 from cachetier.errors import ErrorCode, RemoteError
+from cachetier.wire.framing import encode_frame
+from cachetier.wire.protocol import ok_frame
+from cachetier.wire.sockio import read_frame, send_buffers
 from gpu_pool import PagedPool
 from gpu_pool.agent import Agent, AgentSettings
-from cachetier.framing import encode_frame
-from cachetier.protocol import ok_frame
-from cachetier.sockio import read_frame, send_buffers
 from gpu_pool.transfer import STREAM_HEADER, PageServer, StreamsAccepted
 from index.hashing import chain_hashes
 from index.records import RequestPlan, StepPlan

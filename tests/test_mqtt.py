@@ -14,19 +14,20 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import msgpack
 import pytest
 
-from cachetier.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
-                              EventSubscriber, MqttEventPublisher, NullEventPublisher,
-                              SequenceTracker, decode_batch, encode_batch, removed_events)
-from cachetier.liveness import (AgentPresence, AgentStatus, LivenessWatcher, agent_topic,
-                                agents_filter, parse_agent_topic)
-from cachetier.mqtt import Backoff, BrokerAddress, MqttLink
-from cachetier.servers import MosquittoServer, free_port
+from cachetier.events.cache_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
+                                           EventSubscriber, MqttEventPublisher, NullEventPublisher,
+                                           SequenceTracker, decode_batch, encode_batch,
+                                           removed_events)
+from cachetier.events.liveness import (AgentPresence, AgentStatus, LivenessWatcher, agent_topic,
+                                       agents_filter, parse_agent_topic)
+from cachetier.events.mqtt import Backoff, BrokerAddress, MqttLink
+from cachetier.run.servers import MosquittoServer, free_port
 from index.records import Removal
 
 TIMEOUT_S = 5.0
 AGENT_SCRIPT = """
 import asyncio, sys
-from cachetier.liveness import AgentPresence
+from cachetier.events.liveness import AgentPresence
 
 async def main() -> None:
     url, pool, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])

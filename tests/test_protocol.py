@@ -11,10 +11,10 @@ import pytest
 from cachetier.config import PRESETS
 from cachetier.errors import (BadFrame, BadMessage, BrokenStream, ErrorCode, ErrorInfo, PeerClosed,
                               RemoteError, TooLarge, UnknownOp)
-from cachetier.framing import HEADER, Endpoint, FramedStream, encode_frame
-from cachetier.protocol import (CLIENT_OPS, Commit, CopyBatch, Plan, PlanReply, Registered, Reply,
-                                error_frame, from_wire, ok_frame, parse_reply, parse_request,
-                                request_frame, request_id, result_of, to_wire)
+from cachetier.wire.framing import HEADER, Endpoint, FramedStream, encode_frame
+from cachetier.wire.protocol import (CLIENT_OPS, Commit, CopyBatch, Plan, PlanReply, Registered,
+                                     Reply, error_frame, from_wire, ok_frame, parse_reply,
+                                     parse_request, request_frame, request_id, result_of, to_wire)
 from index.records import (CommitItem, PageCopy, Removal, RequestPlan, StepPlan, StepRefusal,
                            StepRequest)
 

@@ -12,28 +12,15 @@ from redis.asyncio import Redis
 
 from cachetier.cli import main
 from cachetier.config import load_config
-from cachetier.replay import policy_model as pm
-from cachetier.replay.replayer import (
-    POLICIES,
-    PromptHashes,
-    ReplayContext,
-    ReplayError,
-    budget_pages,
-    parse_budget,
-    replay_budget,
-)
+from cachetier.replay.replayer import (POLICIES, PromptHashes, ReplayContext, ReplayError,
+                                       budget_pages, parse_budget, replay_budget)
 from cachetier.replay.report import format_size
-from cachetier.replay.traces import (
-    AgenticSpec,
-    TraceRequest,
-    read_trace,
-    synth_agentic,
-    synth_tokens,
-    write_trace,
-)
+from cachetier.replay.traces import (AgenticSpec, TraceRequest, read_trace, synth_agentic,
+                                     synth_tokens, write_trace)
 from index.hashing import chain_hashes
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
+from tests import policy_model as pm
 from tests.test_replay_model import EXPECTED, HAND, TOTAL
 
 BASELINES = ("oracle", "seed", "branch", "ladder", "coupled", "full-6144")

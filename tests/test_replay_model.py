@@ -10,18 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cachetier.replay import policy_model as pm
-from cachetier.replay.traces import (
-    AgenticSpec,
-    TraceError,
-    TraceRequest,
-    block_tokens_for,
-    parse_lines,
-    read_trace,
-    synth_agentic,
-    synth_tokens,
-    write_trace,
-)
+from cachetier.replay.traces import (AgenticSpec, TraceError, TraceRequest, block_tokens_for,
+                                     parse_lines, read_trace, synth_agentic, synth_tokens,
+                                     write_trace)
+from tests import policy_model as pm
 
 B = 512
 

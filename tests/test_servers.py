@@ -10,7 +10,7 @@ import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
 
-from cachetier.servers import MosquittoServer, RedisServer
+from cachetier.run.servers import MosquittoServer, RedisServer
 
 
 def assert_gone(pid: int, workdir: Path) -> None:

@@ -25,26 +25,26 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_pool.agent import Agent, AgentSettings
-from cachetier.channel import exchange
 from cachetier.client import CacheTierClient
 from cachetier.config import PRESETS, Config
 from cachetier.errors import ErrorCode, ErrorInfo, PeerClosed, RemoteError
-from cachetier.framing import HEADER, Endpoint, FramedStream, encode_frame
-from cachetier.protocol import (CLIENT_OPS, PROTOCOL_VERSION, CopyBatch, HealthReport, Hello,
-                                Register, Registered, Reply, error_frame, from_wire, ok_frame,
-                                parse_reply, parse_request)
-from cachetier.hooks import ServiceObserver
-from cachetier.events import AllBlocksCleared, BlockStored, EventSubscriber
-from cachetier.liveness import LivenessWatcher
-from cachetier.nodes import run_agent, run_service
-from cachetier.servers import MosquittoServer, RedisServer, parent_death_hook
-from cachetier.service import CacheTierService, ServiceSettings
+from cachetier.events.cache_events import AllBlocksCleared, BlockStored, EventSubscriber
+from cachetier.events.liveness import LivenessWatcher
+from cachetier.run.nodes import run_agent, run_service
+from cachetier.run.servers import MosquittoServer, RedisServer, parent_death_hook
+from cachetier.service.observer import ServiceObserver
+from cachetier.service.server import CacheTierService, ServiceSettings
+from cachetier.wire.channel import exchange
+from cachetier.wire.framing import HEADER, Endpoint, FramedStream, encode_frame
+from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, CopyBatch, HealthReport, Hello,
+                                     Register, Registered, Reply, error_frame, from_wire, ok_frame,
+                                     parse_reply, parse_request)
 from gpu_pool import PagedPool
+from gpu_pool.agent import Agent, AgentSettings
+from index.hashing import chain_hashes, split_hashes
 from index.records import RequestPlan, StepPlan
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from index.hashing import chain_hashes, split_hashes
 from tests.index_harness import ROOT, commit_item, new_request
 from tests.test_index_bad_input import dump
 

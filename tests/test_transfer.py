@@ -23,9 +23,9 @@ import torch
 
 from cachetier.config import CacheSpec, ModelSpec
 from cachetier.errors import ErrorCode, RemoteError, TransferFailed
-from cachetier.framing import encode_frame
-from cachetier.protocol import ok_frame
-from cachetier.sockio import SocketServer, read_frame, send_buffers
+from cachetier.wire.framing import encode_frame
+from cachetier.wire.protocol import ok_frame
+from cachetier.wire.sockio import SocketServer, read_frame, send_buffers
 from gpu_pool import PageKind, PageLayout, PagedPool
 from gpu_pool.streams import PageMove, Stream, plan_fetch
 from gpu_pool.transfer import (STREAM_HEADER, BadStreamHeader, PageServer, StreamsAccepted, fetch,

@@ -27,9 +27,8 @@ import numpy as np
 from redis.asyncio import ConnectionPool, Redis
 from redis.commands.core import AsyncScript
 
-from cachetier.cli import add_config_arguments, config_from_args
-from cachetier.config import Config, ConfigError
-from cachetier.servers import RedisServer
+from cachetier.config import Config, ConfigError, add_config_arguments, config_from_args
+from cachetier.run.servers import RedisServer
 from index.hashing import chain_hashes, hash_len, namespace_root
 from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
 from index.store import PrefixIndex

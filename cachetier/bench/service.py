@@ -44,20 +44,12 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from gpu_pool.agent import Agent, AgentSettings
-from cachetier.bench.lookup import (
-    Case,
-    add_case_arguments,
-    build_cases,
-    conversation_tokens,
-    expect_plan,
-    prefix_hashes,
-    redis_url,
-)
-from cachetier.cli import config_from_args
+from cachetier.bench.lookup import (Case, add_case_arguments, build_cases, conversation_tokens,
+                                    expect_plan, prefix_hashes, redis_url)
 from cachetier.client import CacheTierClient
-from cachetier.config import Config, ConfigError, load_config
-from cachetier.service import CacheTierService, ServiceSettings
+from cachetier.config import Config, ConfigError, config_from_args, load_config
+from cachetier.service.server import CacheTierService, ServiceSettings
+from gpu_pool.agent import Agent, AgentSettings
 from index.hashing import chain_hashes, namespace_root
 from index.records import CommitItem, StepPlan, StepRequest
 from index.store import PrefixIndex

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from cachetier.config import PRESETS, CacheSpec, ModelSpec
-from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint
-from cachetier.sockio import SocketServer, connect, read_frame, recv_into, send_buffers, send_frame
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint
+from cachetier.wire.sockio import (SocketServer, connect, read_frame, recv_into, send_buffers,
+                                   send_frame)
 from gpu_pool import PageKind, PagedPool
 from gpu_pool.streams import PageMove, plan_fetch
 from gpu_pool.transfer import PageServer, pull

@@ -31,14 +31,9 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from cachetier.checkpoint_policy import CheckpointPolicy
-from cachetier.replay.replayer import (
-    UNLIMITED_PAGES,
-    PolicyCounters,
-    PoolRunner,
-    ReplayContext,
-    ServedRequest,
-)
+from cachetier.engine.checkpoint_placement import CheckpointPolicy
+from cachetier.replay.replayer import (UNLIMITED_PAGES, PolicyCounters, PoolRunner, ReplayContext,
+                                       ServedRequest)
 from cachetier.replay.traces import TraceRequest
 from eviction.policy import EvictionWeights, recency, value
 

@@ -32,11 +32,11 @@ from typing import Protocol
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from cachetier.checkpoint_policy import BRANCH, LADDER, SEED, CheckpointPolicy
 from cachetier.config import Config, ConfigError
-from cachetier.progress import ProgressBar
+from cachetier.engine.checkpoint_placement import BRANCH, LADDER, SEED, CheckpointPolicy
 from cachetier.replay.traces import BLOCK_TOKENS, TraceRequest, block_tokens_for
-from cachetier.servers import RedisServer
+from cachetier.run.progress import ProgressBar
+from cachetier.run.servers import RedisServer
 from eviction.policy import EvictionWeights, lru
 from index.hashing import HashAlgo, chain_hashes, hash_len, namespace_root
 from index.records import StepPlan, StepRefusal

@@ -26,7 +26,8 @@ from typing import Any, Literal, Self
 import aiomqtt
 import msgpack
 
-from cachetier.mqtt import TOPIC_ROOT, Backoff, LinkOwner, MqttLink, check_pool_name, payload_bytes
+from cachetier.events.mqtt import (TOPIC_ROOT, Backoff, LinkOwner, MqttLink, check_pool_name,
+                                   payload_bytes)
 from index.records import Removal
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,13 @@
-"""Where the service and the agent report what happens, for cache events and liveness (MQTT).
+"""Where the service reports what happens, for cache events (MQTT) and tests.
 
-Both base classes are the null implementation (STYLE 7); `cachetier.nodes` has the MQTT ones
-(`EventsObserver` turns these records into `cachetier.events` batches, `PresenceObserver` calls
-`AgentPresence.set_epoch`). Methods are plain calls made on the hot path and must not block: an
-implementation that talks to the network queues the work or starts a task.
+The base class is the null implementation (STYLE 7); `cachetier.run.nodes.EventsObserver` turns
+these records into `cachetier.events.cache_events` batches. Methods are plain calls made on the hot
+path and must not block: an implementation that talks to the network queues the work or starts a
+task.
 """
 
 from __future__ import annotations
 
-from cachetier.protocol import AgentIdentity
 from index.records import CommitResult, ReleaseResult, StepPlan
 
 
@@ -24,8 +23,3 @@ class ServiceObserver:
 
     def invalidated(self, pool: str, epoch: int) -> None:
         """The pool started `epoch`: everything cached before is gone."""
-
-
-class AgentObserver:
-    def registered(self, identity: AgentIdentity, service: str, epoch: int) -> None:
-        """The agent registered with `service` (it may serve several replicas) in `epoch`."""

@@ -24,10 +24,9 @@ import uuid
 from dataclasses import dataclass
 
 from cachetier.config import Config
-from cachetier.errors import (BadMessage, CodedError, CopyFailed, ErrorCode, ErrorInfo,
-                              RemoteError)
-from cachetier.fleet import AgentLink, StepGuard, run_copies
-from cachetier.protocol import CopyBatch, Fetch, HandoffReply
+from cachetier.errors import BadMessage, CodedError, CopyFailed, ErrorCode, ErrorInfo, RemoteError
+from cachetier.service.fleet import AgentLink, StepGuard, run_copies
+from cachetier.wire.protocol import CopyBatch, Fetch, HandoffReply
 from gpu_pool.layout import PageKind
 from gpu_pool.streams import PageMove
 from index.errors import StaleEpoch

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from cachetier.errors import BrokenStream, PeerClosed
-from cachetier.framing import HEADER, Endpoint, decode_body, encode_frame
+from cachetier.wire.framing import HEADER, Endpoint, decode_body, encode_frame
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 

@@ -26,7 +26,7 @@ from typing import Literal
 
 import aiomqtt
 
-from cachetier.mqtt import TOPIC_ROOT, Backoff, LinkOwner, MqttLink, check_pool_name, \
+from cachetier.events.mqtt import TOPIC_ROOT, Backoff, LinkOwner, MqttLink, check_pool_name, \
     payload_bytes, until_disconnected
 
 log = logging.getLogger(__name__)

@@ -189,7 +189,7 @@ class HandoffReply:
 @dataclass(frozen=True)
 class Handoff:
     """Copy the longest usable prefix of a prompt cached in `src_pool` into `dst_pool`
-    (`cachetier.handoff`); answered once the destination's index holds it."""
+    (`cachetier.service.handoff`); answered once the destination's index holds it."""
 
     op: ClassVar[str] = "handoff"
     reply: ClassVar[Any] = HandoffReply

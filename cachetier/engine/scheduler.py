@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cachetier.checkpoint_policy import CheckpointPolicy
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
-from cachetier.sessions import Session
+from cachetier.engine.checkpoint_placement import CheckpointPolicy
+from cachetier.engine.sessions import Session
 from gpu_pool.pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
 from index.records import CommitItem, RequestPlan, StepPlan, StepRefusal, StepRequest

@@ -29,26 +29,27 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from cachetier.channel import Channel, send_error, serve_requests
 from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
                               ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
                               error_info)
-from cachetier.fleet import AgentLink, PoolAgents, StepGuard, run_copies
-from cachetier.handoff import PoolSide, hand_off
-from cachetier.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
-from cachetier.hooks import ServiceObserver
-from cachetier.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch, Handoff,
-                                HandoffReply, Health, HealthReport, Hello, Plan, PlanReply,
-                                PoolStats, Register, Registered, Release, Route, RouteReply,
-                                Stats, Welcome, ok_frame, op_table, parse_request, request_id)
+from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, run_copies
+from cachetier.service.handoff import PoolSide, hand_off
+from cachetier.service.observer import ServiceObserver
+from cachetier.wire.channel import Channel, send_error, serve_requests
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
+from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
+                                     Handoff, HandoffReply, Health, HealthReport, Hello, Plan,
+                                     PlanReply, PoolStats, Register, Registered, Release, Route,
+                                     RouteReply, Stats, Welcome, ok_frame, op_table, parse_request,
+                                     request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal
 from index.snapshot import read_pool
 from index.store import PrefixIndex
 
-logger = logging.getLogger("cachetier.service")
+logger = logging.getLogger("cachetier.service.server")
 T = TypeVar("T")
 
 _INDEX_CODES: dict[type[CacheIndexError], ErrorCode] = {
@@ -402,7 +403,7 @@ class CacheTierService:
         return RouteReply(sorted(probes, key=lambda p: (-p.hit_tokens, -p.mla_tokens)))
 
     async def _handoff(self, msg: Handoff) -> HandoffReply:
-        """`cachetier.handoff`, as a step of both pools: a lost agent of either fails it, and
+        """`cachetier.service.handoff`, as a step of both pools: a lost agent of either fails it, and
         any failure after the source pin answers a retryable error (both pools released)."""
         if msg.src_pool == msg.dst_pool:
             raise BadMessage("a hand-off needs two different pools")

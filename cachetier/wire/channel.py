@@ -20,9 +20,9 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from cachetier.errors import (BadFrame, BrokenStream, CacheTierError, ConnectionLost, ErrorInfo,
                               PeerClosed, RemoteError, RequestTimeout, TooLarge)
-from cachetier.framing import FramedStream
-from cachetier.protocol import (Reply, error_frame, ok_frame, parse_reply, parse_request,
-                                request_frame, request_id, result_of)
+from cachetier.wire.framing import FramedStream
+from cachetier.wire.protocol import (Reply, error_frame, ok_frame, parse_reply, parse_request,
+                                     request_frame, request_id, result_of)
 
 Describe = Callable[[BaseException], ErrorInfo]
 _STREAM_ERRORS = (OSError, CacheTierError)

@@ -21,7 +21,7 @@ where the seed leaves a reusable prefix unrestorable, or keep fewer where bytes 
 
 Each kept checkpoint is committed with its class (`CommitItem.kind`: branch, rung, spec, turn,
 in that precedence when one boundary is several), which the pool's eviction weights value. The
-engine (`cachetier.engine`) and the replay benchmark use the same object, so the benchmark
+engine (`cachetier.engine.scheduler`) and the replay benchmark use the same object, so the benchmark
 measures the policy the engine runs.
 """
 

@@ -29,13 +29,8 @@ from typing import Any, Self
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
 from cachetier.errors import CacheTierError
-from cachetier.servers import (
-    MosquittoServer,
-    RedisServer,
-    ChildServer,
-    parent_death_hook,
-    terminate,
-)
+from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
+                                   terminate)
 
 POOL = "pool0"
 _LISTENING = re.compile(rb"listening on (\S+)")

@@ -14,12 +14,13 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachetier.events import (AllBlocksCleared, BlockStored, EventPublisher, MqttEventPublisher,
-                              removed_events)
-from cachetier.hooks import AgentObserver, ServiceObserver
-from cachetier.liveness import AgentPresence, LivenessWatcher
-from cachetier.protocol import AgentIdentity
-from cachetier.service import CacheTierService, ServiceSettings
+from cachetier.events.cache_events import (AllBlocksCleared, BlockStored, EventPublisher,
+                                           MqttEventPublisher, removed_events)
+from cachetier.events.liveness import AgentPresence, LivenessWatcher
+from cachetier.service.observer import ServiceObserver
+from cachetier.service.server import CacheTierService, ServiceSettings
+from cachetier.wire.protocol import AgentIdentity
+from gpu_pool.observer import AgentObserver
 from index.records import CommitResult, ReleaseResult, StepPlan
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """`cachetier demo`: the whole system doing its job, checked, on this machine.
 
-It brings up the local cluster (`cachetier.cluster`), attaches to the agent's pool like a
-co-located inference worker, and serves agentic multi-turn sessions (`cachetier.sessions`)
+It brings up the local cluster (`cachetier.run.cluster`), attaches to the agent's pool like a
+co-located inference worker, and serves agentic multi-turn sessions (`cachetier.engine.sessions`)
 through the tiny hybrid model with `PrefillScheduler`: every forward pass reads and writes pool
 pages only, and every request's outputs are compared with a cold recompute. The report says how
 much prefill the cache saved and whether anything it served was wrong; the plot shows the hit
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from cachetier.checkpoint_policy import POLICIES
-from cachetier.cluster import POOL, Cluster, ClusterError
-from cachetier.engine import PrefillScheduler, RequestResult
-from cachetier.progress import ProgressBar
-from cachetier.sessions import SessionSpec, make_sessions
+from cachetier.engine.checkpoint_placement import POLICIES
+from cachetier.engine.scheduler import PrefillScheduler, RequestResult
+from cachetier.engine.sessions import SessionSpec, make_sessions
+from cachetier.run.cluster import POOL, Cluster, ClusterError
+from cachetier.run.progress import ProgressBar
 from gpu_pool.pool import PagedPool
 from tinymodel import TinyHybrid
 
@@ -91,7 +91,7 @@ class DemoReport:
 
 
 def run_demo(cluster: Cluster, options: DemoOptions) -> None:
-    """The job `cachetier.cluster.up` runs once the cluster is up; prints the report. The tiny
+    """The job `cachetier.run.cluster.up` runs once the cluster is up; prints the report. The tiny
     model's matrices are far too small for a thread pool: under load, threads only wait on
     each other (measured 10x slower), hence one torch thread."""
     torch.set_num_threads(1)

@@ -25,7 +25,7 @@ later request restored and continued past, when `demote_restored`). The real ind
 them (`CommitItem.durable`: turn, branch, rung; otherwise intermediate).
 
 Conventions that reproduce the issue's figures (Mooncake trace, unlimited capacity, token-weighted,
-target in brackets; `python -m cachetier.replay.policy_model` prints them):
+target in brackets; `python -m tests.policy_model` prints them):
   oracle    0.6504 [0.650]  full attention, 512-token blocks: hit = the usable MLA match.
   seed      0.5088 [0.509]  one checkpoint per request, at floor(L/512)*512 (its turn end).
                             Chunking changes nothing at unlimited capacity: intermediate checkpoints

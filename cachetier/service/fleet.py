@@ -14,10 +14,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from cachetier.channel import Channel
 from cachetier.errors import (AgentLost, AgentUnavailable, CacheTierError, ConnectionLost,
                               CopyFailed, CopyTimeout, RemoteError)
-from cachetier.protocol import AgentIdentity, CopyBatch
+from cachetier.wire.channel import Channel
+from cachetier.wire.protocol import AgentIdentity, CopyBatch
 
 
 @dataclass(eq=False)
