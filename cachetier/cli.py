@@ -254,7 +254,7 @@ def _add_up_parser(commands: Any) -> None:
 
 
 def _add_demo_parser(commands: Any) -> None:
-    from cachetier.engine.checkpoint_placement import POLICIES
+    from cachetier.engine.checkpoint_placement import PLACEMENTS
     demo = commands.add_parser("demo", help="the local cluster serving multi-turn sessions through "
                                             "the tiny hybrid model, every hit verified")
     demo.add_argument("--agents", type=int, default=2, metavar="N",
@@ -263,7 +263,7 @@ def _add_demo_parser(commands: Any) -> None:
     demo.add_argument("--turns", type=int, default=5, help="turns per session (default 5)")
     demo.add_argument("--chunk", type=int, default=48, metavar="TOKENS",
                       help="chunked-prefill size, any number of tokens (default 48)")
-    demo.add_argument("--policy", choices=sorted(POLICIES), default="branch",
+    demo.add_argument("--policy", choices=sorted(PLACEMENTS), default="branch",
                       help="checkpoint policy (default branch)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the sessions (default 0)")
     demo.add_argument("--plot", type=Path, metavar="PNG",
@@ -276,10 +276,10 @@ def _add_demo_parser(commands: Any) -> None:
 def _replay(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.replay import report
     from cachetier.replay.replayer import (
-        POLICY_NAMES,
+        RUNNER_NAMES,
         ReplayError,
         budget_pages,
-        check_policies,
+        check_runners,
         parse_budget,
         replay_trace,
     )
@@ -293,9 +293,9 @@ def _replay(args: argparse.Namespace, rest: Sequence[str]) -> int:
         raise ConfigError("--sweep" if args.sweep else "--budget", str(exc)) from None
     budgets.sort(key=lambda b: (b is None, b or 0))
     policies = ([name.strip() for name in args.policies.split(",") if name.strip()]
-                if args.policies else list(POLICY_NAMES))
+                if args.policies else list(RUNNER_NAMES))
     try:
-        check_policies(policies)
+        check_runners(policies)
     except ValueError as exc:
         raise ConfigError("--policies", str(exc)) from None
     if args.chunk < 1:

@@ -136,10 +136,11 @@ def value() -> EvictionWeights:
                                                      rung=1.0, spec=0.02, superseded=0.2))
 
 
-POLICIES = {"lru": lru, "recency": recency, "value": value}
+EVICTION_POLICIES = {"lru": lru, "recency": recency, "value": value}
 
 
-def policy_weights(name: str) -> EvictionWeights:
-    if name not in POLICIES:
-        raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+def eviction_weights(name: str) -> EvictionWeights:
+    if name not in EVICTION_POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; "
+                         f"expected one of {sorted(EVICTION_POLICIES)}")
+    return EVICTION_POLICIES[name]()

@@ -151,3 +151,17 @@ class ReleaseResult:
 class EvictResult:
     evicted: int
     removed: list[Removal] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """Counters of one pool, kept by the scripts as they change it (reading them is O(1))."""
+
+    epoch: int
+    num_pages: int
+    free_pages: int
+    evictable_pages: int
+    requests: int
+    pending_tickets: int
+    checkpoints: int  # registered in every KDA group (one record each)
+    durable_checkpoints: int  # kept at turn ends, branch points, ladder rungs

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from cachetier.config import load_config
-from cachetier.engine.checkpoint_placement import SEED, CheckpointPolicy
+from cachetier.engine.checkpoint_placement import SEED, CheckpointPlacement
 from cachetier.replay.adaptive import RECENCY, VALUE, AdaptiveRunner, Switching
 from cachetier.replay.replayer import PromptHashes, ReplayContext, replay_budget, unlimited
 from cachetier.replay.traces import AgenticSpec, synth_agentic
@@ -27,7 +27,7 @@ CONFIG = small_config(num_pages=64)
 BLOCK, PAGE = 4, 16
 
 
-async def serve(d: Driver, rid: str, tokens: list[int], policy: CheckpointPolicy,
+async def serve(d: Driver, rid: str, tokens: list[int], policy: CheckpointPlacement,
                 chunk: int = 64) -> list[RequestPlan]:
     """A whole prefill with `policy`'s steps and commit items, then release; returns its plans."""
     step = policy.first_step(rid, chunk, len(tokens), new_request(rid, tokens, 1, BLOCK).hashes)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from cachetier.client import CacheTierClient
 from cachetier.config import PRESETS, Config
-from cachetier.engine.checkpoint_placement import BRANCH, POLICIES, SEED, CheckpointPolicy
+from cachetier.engine.checkpoint_placement import BRANCH, PLACEMENTS, SEED, CheckpointPlacement
 from cachetier.engine.scheduler import PrefillScheduler, RequestResult
 from cachetier.engine.sessions import Session, SessionSpec, make_sessions
 from gpu_pool import PagedPool
@@ -66,7 +66,7 @@ async def tier_for(redis_url: str, num_pages: int) -> AsyncIterator[tuple[CacheT
 
 
 async def serve(tier: CacheTierClient, pool_id: str, pool: PagedPool, config: Config,
-                sessions: list[Session], policy: CheckpointPolicy = BRANCH,
+                sessions: list[Session], policy: CheckpointPlacement = BRANCH,
                 chunk: int = 24) -> Served:
     scheduler = PrefillScheduler(tier, pool_id, config, policy, MODEL, [pool], chunk_tokens=chunk,
                                  max_batch=4)
@@ -82,7 +82,7 @@ async def check_pool(redis, pool_id: str, config: Config) -> None:
 @settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), chunk=st.integers(5, 70),
-       policy=st.sampled_from(sorted(POLICIES)), pages=st.sampled_from([40, 256]))
+       policy=st.sampled_from(sorted(PLACEMENTS)), pages=st.sampled_from([40, 256]))
 async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url, seed, chunk,
                                                                  policy, pages):
     """Random agentic workloads: shared system prompts, forks part-way through a turn, multi-turn
@@ -90,7 +90,7 @@ async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url
     40-page pool where eviction runs all the time."""
     sessions = make_sessions(replace(SMALL, seed=seed))
     async with tier_for(redis_url, pages) as (tier, pool_id, pool, config):
-        served = await serve(tier, pool_id, pool, config, sessions, POLICIES[policy], chunk)
+        served = await serve(tier, pool_id, pool, config, sessions, PLACEMENTS[policy], chunk)
     bad = [r for r in served.results if not r.verified]
     assert not bad, f"outputs differ from recompute: {bad}"
     assert len(served.results) == sum(len(s.prompts) for s in sessions)
@@ -165,8 +165,8 @@ async def test_a_branch_point_checkpoint_serves_the_next_session_at_full_depth(r
 
 
 @pytest.mark.parametrize("policy,stop,expected", [
-    (SEED, 48, False), (SEED, 96, True), (BRANCH, 64, True), (POLICIES["ladder"], 128, True),
-    (POLICIES["ladder"], 112, False)])
+    (SEED, 48, False), (SEED, 96, True), (BRANCH, 64, True), (PLACEMENTS["ladder"], 128, True),
+    (PLACEMENTS["ladder"], 112, False)])
 def test_commit_items_keep_turn_ends_branch_points_and_ladder_rungs(policy, stop, expected):
     plan = RequestPlan("r", hit_tokens=16, start=stop - 16, stop=stop, mla_pages=[[]],
                        state_pages=[], checkpoint_pages=[1, 2, 3], checkpoint_tokens=stop,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eviction.policy import (CLASSES, TIER, Entry, EvictionWeights, PerClass, lru, policy_weights,
+from eviction.policy import (CLASSES, TIER, Entry, EvictionWeights, PerClass, lru, eviction_weights,
                              recency, value)
 from index.snapshot import read_pool
 from tests.index_harness import commit_item, new_request, only, small_config
@@ -76,4 +76,4 @@ def test_lru_keeps_three_tiers_and_recency_demotes_speculation():
     assert ck(recency(), "spec", 10**9) < page(recency(), 0) < ck(recency(), "branch", 0)
     assert ck(recency(), "superseded", 0) == ck(recency(), "intermediate", 0)
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        policy_weights("fifo")
+        eviction_weights("fifo")

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from cachetier.cli import main
 from cachetier.config import load_config
-from cachetier.replay.replayer import (POLICIES, PromptHashes, ReplayContext, ReplayError,
+from cachetier.replay.replayer import (RUNNERS, PromptHashes, ReplayContext, ReplayError,
                                        budget_pages, parse_budget, replay_budget)
 from cachetier.replay.report import format_size
 from cachetier.replay.traces import (AgenticSpec, TraceRequest, read_trace, synth_agentic,
@@ -120,7 +120,7 @@ def test_adaptive_without_its_module_fails_clearly(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "cachetier.replay.adaptive", None)
     ctx = ReplayContext(Redis(), KIMI, 8192, PromptHashes("kimi-k3", "xxh3_128"))
     with pytest.raises(ReplayError, match="adaptive.py is missing"):
-        POLICIES["adaptive"](ctx)
+        RUNNERS["adaptive"](ctx)
 
 
 # -- the command ------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from index.records import CheckpointKind, CommitItem, RequestPlan, StepRequest
 
 
 @dataclass(frozen=True)
-class CheckpointPolicy:
+class CheckpointPlacement:
     name: str
     branch_points: bool = False
     page_ladder: bool = False
@@ -90,7 +90,7 @@ class CheckpointPolicy:
         return "intermediate"
 
 
-SEED = CheckpointPolicy("seed")
-BRANCH = CheckpointPolicy("branch", branch_points=True)
-LADDER = CheckpointPolicy("ladder", branch_points=True, page_ladder=True)
-POLICIES = {policy.name: policy for policy in (SEED, BRANCH, LADDER)}
+SEED = CheckpointPlacement("seed")
+BRANCH = CheckpointPlacement("branch", branch_points=True)
+LADDER = CheckpointPlacement("ladder", branch_points=True, page_ladder=True)
+PLACEMENTS = {policy.name: policy for policy in (SEED, BRANCH, LADDER)}

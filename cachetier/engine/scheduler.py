@@ -3,7 +3,7 @@
 Each scheduling step plans every request in flight in one call (the service pins the hits, runs
 the restore copies on the agents and answers with page tables), runs the forward pass of each
 request's chunk from where its plan starts, reading and writing only pool pages, then commits what
-the pass produced (MLA endpoints, the checkpoint of the `CheckpointPolicy`) and confirms it. A
+the pass produced (MLA endpoints, the checkpoint of the `CheckpointPlacement`) and confirms it. A
 request's first step starts at its cache hit; later steps continue its chunked prefill. A
 session's next turn is sent once its previous turn is done, after its think time, so sessions
 interleave within steps and later turns hit what earlier ones left.
@@ -25,7 +25,7 @@ import torch
 
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
-from cachetier.engine.checkpoint_placement import CheckpointPolicy
+from cachetier.engine.checkpoint_placement import CheckpointPlacement
 from cachetier.engine.sessions import Session
 from gpu_pool.pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
@@ -78,7 +78,7 @@ class _Arrival:
 
 class PrefillScheduler:
     def __init__(self, tier: CacheTierClient, pool_id: str, config: Config,
-                 policy: CheckpointPolicy, model: TinyHybrid, ranks: Sequence[PagedPool], *,
+                 policy: CheckpointPlacement, model: TinyHybrid, ranks: Sequence[PagedPool], *,
                  chunk_tokens: int = 64, max_batch: int = 16, verify: bool = True,
                  on_result: Callable[[RequestResult], None] | None = None) -> None:
         if chunk_tokens < 1:

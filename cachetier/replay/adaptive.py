@@ -12,7 +12,7 @@ recently used first, since every turn extends a session that only its next turn 
 - `recency` mode: a rung at the prompt's deepest page end only, a turn end only for prompts
   within one page; `eviction.policy.recency()` weights (LRU tiers).
 
-Both are configurations of the real index: a `CheckpointPolicy` (admission: where passes stop and
+Both are configurations of the real index: a `CheckpointPlacement` (admission: where passes stop and
 which checkpoints are kept, as what class) and `EvictionWeights` (one score formula). The runner
 keeps the live pool plus one shadow pool per mode, each a metadata-only pool of the same index
 and size fed the same requests (a replay has no bytes anyway; in a deployment a shadow is a pool
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from cachetier.engine.checkpoint_placement import CheckpointPolicy
+from cachetier.engine.checkpoint_placement import CheckpointPlacement
 from cachetier.replay.replayer import (UNLIMITED_PAGES, PolicyCounters, PoolRunner, ReplayContext,
                                        ServedRequest)
 from cachetier.replay.traces import TraceRequest
@@ -43,13 +43,13 @@ class Mode:
     """Admission and eviction of one mode."""
 
     name: str
-    policy: CheckpointPolicy
+    policy: CheckpointPlacement
     weights: EvictionWeights
 
 
-VALUE = Mode("value", CheckpointPolicy("adaptive/value", branch_points=True, page_ladder=True,
+VALUE = Mode("value", CheckpointPlacement("adaptive/value", branch_points=True, page_ladder=True,
                                        spec_rungs=True), value())
-RECENCY = Mode("recency", CheckpointPolicy("adaptive/recency", deepest_rung=True,
+RECENCY = Mode("recency", CheckpointPlacement("adaptive/recency", deepest_rung=True,
                                            short_turn_ends=True), recency())
 MODES = (VALUE, RECENCY)
 

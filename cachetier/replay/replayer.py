@@ -6,14 +6,14 @@ reports are those of the code that runs, and the tests compare the two.
 
 A request is served the way the engine serves it, minus the bytes: `plan_step` (lookup, pins,
 eviction, allocation) for each chunk of its prefill, `commit` of what the pass produced (endpoints,
-and the checkpoint the `CheckpointPolicy` keeps or not), `confirm` of the commit's ticket, and
+and the checkpoint the `CheckpointPlacement` keeps or not), `confirm` of the commit's ticket, and
 `release` once the prompt is done. There is no agent, so the plan's copies are not run and its
 ticket is not confirmed on its own: `commit` drops the restore pins (as it does for a plan never
 confirmed) and confirmation is cumulative per request, so the commit's confirm settles both.
 Requests are served one after the other in timestamp order (stable), each one's registrations
 visible to the next: the convention that reproduces the issue's figures (see `policy_model`).
 
-Policies are configurations of the real code (`POLICIES`); each gets a pool of its own in the same
+Policies are configurations of the real code (`RUNNERS`); each gets a pool of its own in the same
 Redis. Capacity is a budget in bytes of the preset, counted in unified page ids (padding included):
 `num_pages = budget // page_id_bytes`. Unlimited is a page count nothing can exhaust: the free
 list is lazy (ids >= `fresh` are never materialised), so it costs nothing.
@@ -33,7 +33,7 @@ from typing import Protocol
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from cachetier.config import Config, ConfigError
-from cachetier.engine.checkpoint_placement import BRANCH, LADDER, SEED, CheckpointPolicy
+from cachetier.engine.checkpoint_placement import BRANCH, LADDER, SEED, CheckpointPlacement
 from cachetier.replay.traces import BLOCK_TOKENS, TraceRequest, block_tokens_for
 from cachetier.run.progress import ProgressBar
 from cachetier.run.servers import RedisServer
@@ -182,11 +182,11 @@ class PolicyRunner(Protocol):
 
 
 class PoolRunner:
-    """One pool of the real index with one `CheckpointPolicy`: a `PolicyRunner`, and the building
+    """One pool of the real index with one `CheckpointPlacement`: a `PolicyRunner`, and the building
     block of runners made of several pools."""
 
     def __init__(self, name: str, redis: Redis, pool_id: str, config: Config,
-                 weights: EvictionWeights, policy: CheckpointPolicy, chunk_tokens: int, *,
+                 weights: EvictionWeights, policy: CheckpointPlacement, chunk_tokens: int, *,
                  prompts: PromptHashes | None = None) -> None:
         """`prompts` lets pools replaying one trace share the hashing of its prompts."""
         if config.cache.hash_block_tokens % BLOCK_TOKENS:
@@ -258,7 +258,7 @@ class ReplayContext:
     def pool_id(self, name: str) -> str:
         return f"{self.pool_prefix}.{name}"
 
-    def pool(self, name: str, config: Config, policy: CheckpointPolicy,
+    def pool(self, name: str, config: Config, policy: CheckpointPlacement,
              weights: EvictionWeights | None = None) -> PoolRunner:
         return PoolRunner(name, self.redis, self.pool_id(name), config, weights or lru(), policy,
                           self.chunk_tokens, prompts=self.prompts)
@@ -291,8 +291,8 @@ def _adaptive(ctx: ReplayContext) -> PolicyRunner:
     return AdaptiveRunner.for_replay(ctx)
 
 
-# A full-attention pool plans no checkpoint, so its CheckpointPolicy only ends steps at chunks.
-POLICIES: dict[str, Callable[[ReplayContext], PolicyRunner]] = {
+# A full-attention pool plans no checkpoint, so its CheckpointPlacement only ends steps at chunks.
+RUNNERS: dict[str, Callable[[ReplayContext], PolicyRunner]] = {
     # the upper bound, unlimited at every budget by definition
     "oracle": lambda ctx: ctx.pool("oracle", unlimited(full_attention(ctx.config)), SEED),
     "seed": lambda ctx: ctx.pool("seed", ctx.config, SEED),
@@ -302,15 +302,15 @@ POLICIES: dict[str, Callable[[ReplayContext], PolicyRunner]] = {
     "full-6144": lambda ctx: ctx.pool("full-6144", coupled(full_attention(ctx.config)), SEED),
     "adaptive": _adaptive,
 }
-POLICY_NAMES = tuple(POLICIES)
+RUNNER_NAMES = tuple(RUNNERS)
 
 
 # -- the driver ------------------------------------------------------------------------------------
 
-def check_policies(names: Sequence[str]) -> None:
-    unknown = [n for n in names if n not in POLICIES]
+def check_runners(names: Sequence[str]) -> None:
+    unknown = [n for n in names if n not in RUNNERS]
     if unknown or not names or len(set(names)) != len(names):
-        raise ValueError(f"policies must be distinct names among {', '.join(POLICY_NAMES)}; "
+        raise ValueError(f"policies must be distinct names among {', '.join(RUNNER_NAMES)}; "
                          f"got {', '.join(names) or 'none'}")
 
 
@@ -320,12 +320,12 @@ async def replay_budget(redis: Redis, requests: Sequence[TraceRequest], config: 
                         progress: ProgressBar | None = None) -> BudgetResult:
     """Every policy replays the requests on its own pool, all concurrently: Redis runs one
     policy's script while Python prepares another's call."""
-    check_policies(policies)
+    check_runners(policies)
     pages = budget_pages(budget_bytes, config)
     sized = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_pages=pages))
     prompts = prompts or PromptHashes(config.model.name, config.cache.hash_algo)
     ctx = ReplayContext(redis, sized, chunk_tokens, prompts, pool_prefix)
-    runners = [POLICIES[name](ctx) for name in policies]
+    runners = [RUNNERS[name](ctx) for name in policies]
     for runner in runners:
         await runner.setup(redis)
     ordered = sorted(requests, key=lambda r: r.timestamp)
@@ -354,7 +354,7 @@ async def replay_trace(requests: Sequence[TraceRequest], config: Config,
                        budgets: Sequence[int | None], policies: Sequence[str],
                        chunk_tokens: int, show_progress: bool = True) -> list[BudgetResult]:
     """Each budget on fresh pools of a project-started redis-server, one after the other."""
-    check_policies(policies)
+    check_runners(policies)
     prompts = PromptHashes(config.model.name, config.cache.hash_algo)
     out = []
     async with RedisServer() as server:

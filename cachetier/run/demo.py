@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cachetier.engine.checkpoint_placement import POLICIES
+from cachetier.engine.checkpoint_placement import PLACEMENTS
 from cachetier.engine.scheduler import PrefillScheduler, RequestResult
 from cachetier.engine.sessions import SessionSpec, make_sessions
 from cachetier.run.cluster import POOL, Cluster, ClusterError
@@ -115,7 +115,7 @@ async def _serve(cluster: Cluster, options: DemoOptions) -> DemoReport:
 
     started = time.monotonic()
     async with cluster.client() as tier:
-        scheduler = PrefillScheduler(tier, POOL, config, POLICIES[options.policy], model, ranks,
+        scheduler = PrefillScheduler(tier, POOL, config, PLACEMENTS[options.policy], model, ranks,
                                      chunk_tokens=options.chunk_tokens, on_result=on_result)
         await scheduler.run(sessions)
         stats = await tier.stats(POOL)
