@@ -20,6 +20,7 @@ request ids (releasing unknown ids is harmless) before planning them again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from typing import Any, Sequence
 
@@ -30,8 +31,8 @@ from cachetier.wire.protocol import (PROTOCOL_VERSION, Commit, Confirm, Handoff,
                                      Health, HealthReport, Hello, Plan, PlanReply, PoolStats,
                                      Release, Route, RouteReply, Stats, Welcome)
 from index.prefix import PrefixProbe
-from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
-                           StepRequest)
+from index.records import (CommitItem, CommitResult, IndexStats, ReleaseResult, StepPlan,
+                           StepRefusal, StepRequest)
 
 
 class CacheTierClient:
@@ -57,6 +58,10 @@ class CacheTierClient:
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()
+
+    def pool(self, pool: str) -> TierPool:
+        """One pool of the tier behind the index's face (`index.face.Index`)."""
+        return TierPool(self, pool)
 
     async def plan(self, pool: str, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         """Plan one scheduling step: pins, allocations and the copies done on every rank."""
@@ -124,3 +129,42 @@ class CacheTierClient:
             await stream.close()
             raise
         return Channel(stream, f"service {self.endpoint.url}")
+
+
+class TierPool:
+    """One pool of the service as an `index.face.Index`: the same verbs as `PrefixIndex`, so the
+    request lifecycle runs unchanged over the service (whose `plan` also runs the step's copies on
+    every rank and confirms them before it answers)."""
+
+    def __init__(self, tier: CacheTierClient, pool: str) -> None:
+        self.tier = tier
+        self.pool_id = pool
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        outcome = await self.tier.plan(self.pool_id, requests)
+        if isinstance(outcome, StepPlan):
+            self._epoch = outcome.epoch
+        return outcome
+
+    async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
+        return await self.tier.commit(self.pool_id, items)
+
+    async def confirm(self, ticket: int) -> int:
+        return await self.tier.confirm(self.pool_id, ticket)
+
+    async def release(self, rids: Sequence[str]) -> ReleaseResult:
+        return await self.tier.release(self.pool_id, rids)
+
+    async def probe(self, prompt_tokens: int, hashes: bytes) -> PrefixProbe:
+        [probe] = await self.tier.route([self.pool_id], prompt_tokens, hashes)
+        return probe
+
+    async def stats(self) -> IndexStats:
+        stats = await self.tier.stats(self.pool_id)
+        self._epoch = stats.epoch
+        return IndexStats(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(IndexStats)})
