@@ -139,6 +139,28 @@ def _token(args: argparse.Namespace) -> str:
     return token
 
 
+def registry_names(text: str, flag: str, kind: str, registry: Sequence[str], *,
+                   many: bool = True) -> list[str]:
+    """The names `text` gives `flag`: a comma list (spaces and empty items ignored), or exactly
+    one name unless `many`, each of them in `registry` and none twice. Every flag that picks
+    entries of a registry parses here, so all refuse a name alike: a `ConfigError` (exit 2) that
+    names the flag and says what kind of entry was meant (`kind`: "checkpoint placement", "replay
+    runner"), with the names it accepts in registry order."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    expected = f"expected one of {', '.join(registry)}"
+    if not names:
+        raise ConfigError(flag, f"no {kind} named; {expected}")
+    for name in names:
+        if name not in registry:
+            raise ConfigError(flag, f"unknown {kind} {name!r}; {expected}")
+    if not many and len(names) > 1:
+        raise ConfigError(flag, f"one {kind} only, got {', '.join(names)}")
+    twice = [name for i, name in enumerate(names) if name in names[:i]]
+    if twice:
+        raise ConfigError(flag, f"{kind} {twice[0]!r} named twice")
+    return names
+
+
 def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str) -> int:
     """Run `main` until it returns or SIGTERM/SIGINT cancels it, which is a clean stop (0);
     an error it ends with is printed (1)."""
@@ -222,16 +244,19 @@ def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
 
 
 def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.engine.checkpoint_placement import PLACEMENTS
+    from cachetier.engine.sessions import SessionSpec
     from cachetier.run.cluster import up
     from cachetier.run.demo import DemoOptions, run_demo
-    from cachetier.engine.sessions import SessionSpec
+    [policy] = registry_names(args.policy, "--policy", "checkpoint placement", tuple(PLACEMENTS),
+                              many=False)
     try:
         spec = SessionSpec(sessions=args.sessions, turns=args.turns, seed=args.seed)
     except ValueError as exc:
         raise ConfigError("demo", str(exc)) from None
     if args.chunk < 1:
         raise ConfigError("demo.chunk", "must be >= 1")
-    options = DemoOptions(spec, args.policy, args.chunk, args.json, args.plot)
+    options = DemoOptions(spec, policy, args.chunk, args.json, args.plot)
     return up(_cluster_settings(args, args.agents), lambda cluster: run_demo(cluster, options))
 
 
@@ -263,8 +288,8 @@ def _add_demo_parser(commands: Any) -> None:
     demo.add_argument("--turns", type=int, default=5, help="turns per session (default 5)")
     demo.add_argument("--chunk", type=int, default=48, metavar="TOKENS",
                       help="chunked-prefill size, any number of tokens (default 48)")
-    demo.add_argument("--policy", choices=sorted(PLACEMENTS), default="branch",
-                      help="checkpoint policy (default branch)")
+    demo.add_argument("--policy", default="branch", metavar="NAME",
+                      help=f"checkpoint placement, one of {', '.join(PLACEMENTS)} (default branch)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the sessions (default 0)")
     demo.add_argument("--plot", type=Path, metavar="PNG",
                       help="hit ratio plot (default: demo-hit-ratio.png in the run directory)")
@@ -275,14 +300,8 @@ def _add_demo_parser(commands: Any) -> None:
 
 def _replay(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.replay import report
-    from cachetier.replay.replayer import (
-        RUNNER_NAMES,
-        ReplayError,
-        budget_pages,
-        check_runners,
-        parse_budget,
-        replay_trace,
-    )
+    from cachetier.replay.replayer import ReplayError, budget_pages, parse_budget
+    from cachetier.replay.runners import RUNNER_NAMES, replay_trace
     from cachetier.replay.traces import TraceError, read_trace
     config = load_config(args.preset)
     try:
@@ -292,12 +311,8 @@ def _replay(args: argparse.Namespace, rest: Sequence[str]) -> int:
     except (ValueError, ReplayError) as exc:
         raise ConfigError("--sweep" if args.sweep else "--budget", str(exc)) from None
     budgets.sort(key=lambda b: (b is None, b or 0))
-    policies = ([name.strip() for name in args.policies.split(",") if name.strip()]
-                if args.policies else list(RUNNER_NAMES))
-    try:
-        check_runners(policies)
-    except ValueError as exc:
-        raise ConfigError("--policies", str(exc)) from None
+    policies = (list(RUNNER_NAMES) if args.policies is None else
+                registry_names(args.policies, "--policies", "replay runner", RUNNER_NAMES))
     if args.chunk < 1:
         raise ConfigError("--chunk", "must be >= 1")
     try:
@@ -325,7 +340,7 @@ def _replay(args: argparse.Namespace, rest: Sequence[str]) -> int:
 
 def _add_replay_parser(commands: Any) -> None:
     replay = commands.add_parser("replay", help="replay a request trace through the real index, "
-                                                "one pool per checkpoint policy")
+                                                "one pool per replay runner")
     replay.add_argument("trace", type=Path, metavar="TRACE.jsonl",
                         help="Mooncake-format JSONL (timestamp, input_length, output_length, "
                              "hash_ids; session_id and turn optional)")
@@ -336,8 +351,8 @@ def _add_replay_parser(commands: Any) -> None:
                         help="replay at each budget, e.g. 100GB,400GB,1.6TB,unlimited, and plot "
                              "hit ratio against capacity")
     replay.add_argument("--policies", metavar="NAME,NAME,...",
-                        help="policies to compare (default: all of oracle, seed, branch, ladder, "
-                             "coupled, full-6144, adaptive)")
+                        help="replay runners to compare, among oracle, seed, branch, ladder, "
+                             "coupled, full-6144, adaptive (default: all)")
     replay.add_argument("--chunk", type=int, default=8192, metavar="TOKENS",
                         help="chunked-prefill size (default 8192)")
     replay.add_argument("--preset", default="kimi-k3", choices=sorted(PRESETS),

@@ -27,10 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, get_args, get_type_hints
 
-CheckpointClass = Literal["intermediate", "turn", "branch", "rung", "spec", "superseded"]
+# The one place the classes are written: index.scripts hands them to the Lua scripts, and
+# index.records, the reference model and the tests import them from here.
+CheckpointKind = Literal["intermediate", "turn", "branch", "rung", "spec"]  # what a commit names
+CheckpointClass = Literal[CheckpointKind, "superseded"]  # and what only the index demotes to
 CLASSES: tuple[CheckpointClass, ...] = get_args(CheckpointClass)
+COMMIT_KINDS: tuple[CheckpointKind, ...] = get_args(CheckpointKind)
 
 # Larger than any reachable logical tick, so a bonus tier always dominates recency.
 TIER = float(2**40)
@@ -104,12 +108,27 @@ class EvictionWeights:
                 + self.depth * entry.prefix_tokens / entry.pages + value)
 
     def as_pool_fields(self) -> dict[str, float]:
-        fields = {"w_recency": self.recency, "w_clock": self.clock, "w_mla": self.mla,
-                  "w_depth": self.depth}
+        """The weights as the pool's meta hash holds them, where the scripts read them."""
+        scalars, per_class = weight_names()
+        fields = {pool_field(name): getattr(self, name) for name in scalars}
         for cls in CLASSES:
-            fields[f"w_bonus_{cls}"] = self.bonus[cls]
-            fields[f"w_value_{cls}"] = self.value[cls]
+            for name in per_class:
+                fields[pool_field(name, cls)] = getattr(self, name)[cls]
         return fields
+
+
+def weight_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The `EvictionWeights` fields that are one number, and those that are a `PerClass`: with
+    `CLASSES` and `pool_field`, all that the scripts are told of the weights' names."""
+    hints = get_type_hints(EvictionWeights)
+    names = [f.name for f in dataclasses.fields(EvictionWeights)]
+    return (tuple(n for n in names if hints[n] is not PerClass),
+            tuple(n for n in names if hints[n] is PerClass))
+
+
+def pool_field(weight: str, cls: str | None = None) -> str:
+    """The meta hash field of one weight (`cls`: of one class, for a per-class weight)."""
+    return f"w_{weight}" if cls is None else f"w_{weight}_{cls}"
 
 
 def lru() -> EvictionWeights:
@@ -121,7 +140,7 @@ def lru() -> EvictionWeights:
 
 def recency() -> EvictionWeights:
     """`lru`, with speculative rungs and superseded turn ends in the intermediate tier: the
-    weights of the adaptive policy's recency mode (deep sessions under a tight budget)."""
+    weights of the adaptive replay runner's recency mode (deep sessions under a tight budget)."""
     tiers = lru()
     return dataclasses.replace(tiers, bonus=dataclasses.replace(tiers.bonus, spec=0.0,
                                                                 superseded=0.0))

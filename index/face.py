@@ -4,7 +4,8 @@
 compare it with) and a pool of the service seen through `CacheTierClient.pool` all implement
 `Index`, so the request lifecycle, the engine, the replay and the tests drive any of them the same
 way. Every call is one atomic operation on one pool; `epoch` is the pool epoch the caller last saw,
-and a call made in a voided epoch raises `StaleEpoch` (the caller's pins are gone).
+and a call made in a voided epoch raises `StaleEpoch` (the caller's pins are gone) and refreshes
+it. `probe` and `stats` only read, and answer for whatever epoch the pool is in.
 """
 
 from __future__ import annotations

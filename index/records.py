@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from eviction.policy import CheckpointClass
+from eviction.policy import CheckpointClass, CheckpointKind
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,6 @@ class StepRefusal:
     pages_available: int
 
 
-CheckpointKind = Literal["intermediate", "turn", "branch", "rung", "spec"]
-
-
 @dataclass(frozen=True)
 class CommitItem:
     """`kind` is the checkpoint's class (`eviction.policy`: the pool's weights value each class):
@@ -164,4 +161,4 @@ class IndexStats:
     requests: int
     pending_tickets: int
     checkpoints: int  # registered in every KDA group (one record each)
-    durable_checkpoints: int  # kept at turn ends, branch points, ladder rungs
+    durable_checkpoints: int  # of a kept class (any but intermediate): meta.durable_cks

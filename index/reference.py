@@ -4,6 +4,11 @@ It keeps the same structures as Redis (records by page id, one free list, endpoi
 maps, the eviction order) and follows the scripts step by step, so that a hypothesis state machine
 can drive both with the same operations and demand identical answers, page ids included. It is
 deliberately plain Python: readable first, never used on a hot path.
+
+`ReferenceIndex` is an `index.face.Index` with `PrefixIndex`'s signatures (async, the epoch it
+last saw carried by every call and refreshed on `StaleEpoch`), so tests drive either one the same
+way. Several faces may share one `ReferencePool`, as several service replicas share a pool in
+Redis: one of them invalidating it leaves the others holding a voided epoch.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from typing import Any, Sequence
 
 from cachetier.config import Config
 from eviction.policy import CLASSES, Entry, EvictionWeights, lru
-from index.errors import BadRequest, CorruptState, StaleEpoch, UnknownEntity
+from index.errors import BadRequest, CorruptState, StaleEpoch, UnknownEntity, UnknownPool
 from index.hashing import hash_len
-from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, PageCopy,
-                           ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal, StepRequest)
+from index.prefix import PrefixProbe
+from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
+                           PageCopy, ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal,
+                           StepRequest)
 
 
 @dataclass
@@ -40,17 +47,36 @@ class PoolState:
     reqh: dict[str, bytes] = field(default_factory=dict)
     tix: dict[int, list[str]] = field(default_factory=dict)
     lru_page_count: int = 0  # meta.lru_pages as Redis stores it; the reference derives it
+    durable_cks: int = 0  # meta.durable_cks: registered checkpoints with dur = 1, kept by both
 
     def lru_pages(self) -> int:
         """Pages held by eviction-order members: what Redis keeps as meta.lru_pages."""
         return sum(len(self.pages[lead]["pages"]) for lead in self.lru)
 
+    def durable_checkpoints(self) -> int:
+        """Registered checkpoints of a kept class, counted from their records."""
+        return sum(self.pages[lead]["dur"] for lead in self.ck.values())
+
+
+@dataclass
+class ReferencePool:
+    """One pool as Redis holds it: the state of its current epoch and the eviction weights its
+    scores use (meta's weight fields), shared by every face on it."""
+
+    state: PoolState
+    weights: EvictionWeights
+
 
 class ReferenceIndex:
-    def __init__(self, config: Config, weights: EvictionWeights | None = None) -> None:
+    """`pool`: join that pool (another face's) instead of creating one at `create()`."""
+
+    def __init__(self, config: Config, weights: EvictionWeights | None = None, *,
+                 pool_id: str = "reference", pool: ReferencePool | None = None) -> None:
         self.config = config
-        self.w = weights or lru()
-        self.s = PoolState()
+        self.pool_id = pool_id
+        self.weights = weights or lru()
+        self.pool = pool
+        self.epoch = 0
         cache, model = config.cache, config.model
         self.B, self.PB = cache.hash_block_tokens, cache.blocks_per_page
         self.HL = hash_len(cache.hash_algo)
@@ -60,10 +86,36 @@ class ReferenceIndex:
         self.kda_state_bytes = model.kda_rank_layer_bytes
         self.max_batch = cache.max_batch
 
+    @property
+    def s(self) -> PoolState:
+        if self.pool is None:
+            raise UnknownPool(f"unknown pool (not created): {self.pool_id}")
+        return self.pool.state
+
+    @property
+    def w(self) -> EvictionWeights:
+        """The weights the pool's scores use (read only once `s` found the pool)."""
+        return self.pool.weights if self.pool is not None else self.weights
+
+    # -- create_pool.lua ----------------------------------------------------------------------
+    async def create(self) -> int:
+        """Create the pool or join the shared one; the face's weights become the pool's (the
+        eviction order keeps its scores until `reweigh`). Returns the epoch."""
+        if self.pool is None:
+            self.pool = ReferencePool(PoolState(), self.weights)
+        else:
+            self.pool.weights = self.weights
+        self.epoch = self.s.epoch
+        return self.epoch
+
     # -- shared helpers (lib.lua) -------------------------------------------------------------
-    def _check_epoch(self, epoch: int) -> None:
-        if epoch != self.s.epoch:
-            raise StaleEpoch(f"pool epoch is {self.s.epoch}, caller has {epoch}")
+    def _check_epoch(self) -> None:
+        """The epoch this face carries must be the pool's; on a voided one the face learns the
+        current epoch and raises, as PrefixIndex does."""
+        current = self.s.epoch
+        if self.epoch != current:
+            seen, self.epoch = self.epoch, current
+            raise StaleEpoch(f"pool epoch is {current}, caller has {seen}")
 
     def _h(self, blob: bytes, i: int) -> bytes:
         return blob[(i - 1) * self.HL:i * self.HL]
@@ -111,6 +163,7 @@ class ReferenceIndex:
         if rec["ref"] > 0:
             raise CorruptState(f"pinned checkpoint dropped at page {lead}")
         del self.s.ck[h]
+        self.s.durable_cks -= rec["dur"]
         anchor = self.s.pages.get(rec["anchor"])
         if anchor is not None:
             anchor["cks"] = [c for c in anchor["cks"] if c != h]
@@ -180,6 +233,36 @@ class ReferenceIndex:
         rec = self.s.pages[item["ck"]]
         return rec["st"] == "pending" and rec["tk"] == item["t"]
 
+    # -- match.lua, probe.lua -----------------------------------------------------------------
+    def _match_prefix(self, blob: bytes, tokens: int) -> tuple[int, int, int]:
+        """MLA depth and hit in blocks (the last token is always left to compute), and the hit's
+        checkpoint lead (-1 if none)."""
+        usable = min(len(blob) // self.HL, (tokens - 1) // self.B)
+        depth = self._mla_match(blob, usable)
+        if depth == 0:
+            return 0, 0, -1
+        return (depth, *self._kda_match(blob, depth))
+
+    async def probe(self, prompt_tokens: int, hashes: bytes) -> PrefixProbe:
+        """Read-only: no pin, no recency, any epoch."""
+        if (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+                or not 1 <= prompt_tokens <= 1 << 40):
+            raise BadRequest("tokens must be an integer >= 1")
+        if len(hashes) != prompt_tokens // self.B * self.HL:
+            raise BadRequest(f"hashes must hold one {self.HL}-byte hash per complete block")
+        depth, hit, _ = self._match_prefix(bytes(hashes), prompt_tokens)
+        return PrefixProbe(self.pool_id, self.s.epoch, hit * self.B, depth * self.B)
+
+    # -- stats.lua ----------------------------------------------------------------------------
+    async def stats(self) -> IndexStats:
+        """The counters as the script reads them: `durable_checkpoints` is the kept counter,
+        not a recount (`PoolState.durable_checkpoints` is the recount tests compare it with)."""
+        s = self.s
+        return IndexStats(epoch=s.epoch, num_pages=self.num_pages,
+                          free_pages=self._free_count(), evictable_pages=s.lru_pages(),
+                          requests=len(s.req), pending_tickets=len(s.tix), checkpoints=len(s.ck),
+                          durable_checkpoints=s.durable_cks)
+
     # -- plan_step.lua ------------------------------------------------------------------------
     def _mla_match(self, blob: bytes, usable: int) -> int:
         lo, hi = 0, usable // self.PB
@@ -225,23 +308,26 @@ class ReferenceIndex:
             raise BadRequest(f"{item.rid}: hashes must hold one hash per complete block")
         return None
 
-    def plan_step(self, epoch: int, batch: Sequence[StepRequest]) -> StepPlan | StepRefusal:
-        self._check_epoch(epoch)
-        if not batch:
+    def _check_size(self, items: Sequence[object]) -> None:
+        """PrefixIndex checks the batch before calling a script, so before the epoch."""
+        if len(items) > self.max_batch:
+            raise BadRequest(f"batch of {len(items)} exceeds max_batch {self.max_batch}")
+
+    async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        self._check_size(requests)
+        if len({r.rid for r in requests}) != len(requests):
+            raise BadRequest("a request id appears twice in the step")
+        self._check_epoch()
+        if not requests:
             raise BadRequest("empty step: nothing to plan")
-        if len(batch) > self.max_batch:
-            raise BadRequest("batch exceeds max_batch")
         plans, seen, need = [], set(), 0
         pinned_in_lru: dict[int, int] = {}
-        for item in batch:
+        for item in requests:
             r = self._check_request(item, seen)
             p: dict[str, Any] = {"item": item, "r": r, "anchor": -1, "ckpt": -1, "hit": 0,
                                  "shared": b"", "cow": 0}
             if r is None:
-                usable = min(len(item.hashes) // self.HL, (item.prompt_tokens - 1) // self.B)
-                depth = self._mla_match(item.hashes, usable)
-                if depth > 0:
-                    p["hit"], p["ckpt"] = self._kda_match(item.hashes, depth)
+                depth, p["hit"], p["ckpt"] = self._match_prefix(item.hashes, item.prompt_tokens)
                 p["match"] = depth * self.B
                 if p["hit"] > 0:
                     lead, fill = self.s.ep[self._h(item.hashes, p["hit"])]
@@ -334,8 +420,9 @@ class ReferenceIndex:
                            r["mt"])
 
     # -- commit.lua ---------------------------------------------------------------------------
-    def commit(self, epoch: int, items: Sequence[CommitItem]) -> CommitResult:
-        self._check_epoch(epoch)
+    async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
+        self._check_size(items)
+        self._check_epoch()
         if not items:
             raise BadRequest("empty commit")
         reqs, seen = [], set()
@@ -448,6 +535,7 @@ class ReferenceIndex:
         self._stamp(rec)
         self._save_lead(ck_lead, rec)
         self.s.ck[h] = ck_lead
+        self.s.durable_cks += rec["dur"]
         anchor = self.s.pages[e[0]]
         anchor["cks"].append(h)
         i = CLASSES.index(kind)
@@ -473,6 +561,7 @@ class ReferenceIndex:
         anchor["cg"][i] -= rec["gain"]
         anchor["cn"][j] += 1
         anchor["cg"][j] += rec["gain"]
+        self.s.durable_cks += int(cls != "intermediate") - rec["dur"]
         rec["cls"], rec["dur"] = cls, int(cls != "intermediate")
         self._save_lead(rec["anchor"], anchor)
         self._save_lead(lead, rec)
@@ -488,8 +577,8 @@ class ReferenceIndex:
             self._reclass(lead, self.s.pages[lead], cls)
 
     # -- confirm.lua --------------------------------------------------------------------------
-    def confirm(self, epoch: int, ticket: int) -> int:
-        self._check_epoch(epoch)
+    async def confirm(self, ticket: int) -> int:
+        self._check_epoch()
         if ticket not in self.s.tix:
             raise UnknownEntity(f"unknown ticket {ticket}")
         count = 0
@@ -522,8 +611,8 @@ class ReferenceIndex:
             self._save_lead(item["ck"], rec)
 
     # -- release.lua --------------------------------------------------------------------------
-    def release(self, epoch: int, rids: Sequence[str]) -> ReleaseResult:
-        self._check_epoch(epoch)
+    async def release(self, rids: Sequence[str]) -> ReleaseResult:
+        self._check_epoch()
         removed: list[Removal] = []
         unknown, released = [], 0
         for rid in rids:
@@ -586,25 +675,33 @@ class ReferenceIndex:
         self._save_lead(lead, rec)
 
     # -- evict.lua, invalidate_pool.lua ------------------------------------------------------
-    def evict(self, epoch: int, count: int) -> EvictResult:
-        self._check_epoch(epoch)
+    async def evict(self, count: int) -> EvictResult:
+        self._check_epoch()
         removed: list[Removal] = []
         n = 0
         while n < count and self._evict_one(removed):
             n += 1
         return EvictResult(n, removed)
 
-    def reweigh(self, epoch: int, weights: EvictionWeights) -> None:
-        """reweigh.lua walked from the first page id to the last: every member rescored."""
-        self._check_epoch(epoch)
-        self.w = weights
+    async def reweigh(self, weights: EvictionWeights, batch: int = 4096) -> int:
+        """reweigh.lua walked from the first page id to the last, `batch` ids per call: every
+        member rescored. Returns the number of calls that walk takes."""
+        self._check_epoch()
+        if not 1 <= batch <= 100000:
+            raise BadRequest("N must be an integer in [1, 100000]")
+        self.weights = self.pool.weights = weights
         for lead in self.s.lru:
             self.s.lru[lead] = self._score(self.s.pages[lead])
+        return max(1, math.ceil(self.s.fresh / batch))
 
-    def invalidate(self) -> int:
-        self.s = PoolState(epoch=self.s.epoch + 1, tick=self.s.tick, ticket=self.s.ticket,
-                           clock=self.s.clock)
-        return self.s.epoch
+    async def invalidate(self, seen_epoch: int | None = None) -> int:
+        """Start a new epoch; with `seen_epoch`, only if the pool is still in that epoch."""
+        s = self.s
+        if seen_epoch is None or seen_epoch == s.epoch:
+            self.pool.state = PoolState(epoch=s.epoch + 1, tick=s.tick, ticket=s.ticket,
+                                        clock=s.clock)
+        self.epoch = self.s.epoch
+        return self.epoch
 
 
 def entry_of(rec: dict[str, Any]) -> Entry:

@@ -2,8 +2,9 @@
 
 `read_pool` decodes the keys into the same `PoolState` the reference model keeps, so a property
 test can compare the two field by field. `sanity_check` is the pool's self-test (SGLang's
-`sanity_check()` habit): tests call it after every operation. Both read everything, so they are
-for tests and operators, never for the hot path.
+`sanity_check()` habit): tests call it after every operation. `recount` recomputes from the
+records the counters `stats.lua` reads, so a script that forgets one is caught. All of them read
+everything, so they are for tests and operators, never for the hot path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis
 
+from index.records import IndexStats
 from index.reference import PoolState, pack_ids
 
 _TEXT_FIELDS = ("k", "st", "owner", "cls")
@@ -40,7 +42,18 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
         reqh={k.decode(): v for k, v in reqh.items()},
         tix={int(k): [r.decode() for r in msgpack.unpackb(v, raw=True)] for k, v in tix.items()},
         lru_page_count=meta["lru_pages"],
+        durable_cks=meta["durable_cks"],
     )
+
+
+def recount(state: PoolState, num_pages: int) -> IndexStats:
+    """The pool's counters counted from its records, not read from the counters the scripts
+    keep: what `PrefixIndex.stats()` must answer."""
+    return IndexStats(epoch=state.epoch, num_pages=num_pages,
+                      free_pages=len(state.free) + num_pages - state.fresh,
+                      evictable_pages=state.lru_pages(), requests=len(state.req),
+                      pending_tickets=len(state.tix), checkpoints=len(state.ck),
+                      durable_checkpoints=state.durable_checkpoints())
 
 
 def _records(pages: dict[bytes, bytes], rf: dict[bytes, bytes],
@@ -98,6 +111,8 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
         assert h in state.ep and state.ep[h][0] == rec["anchor"], "checkpoint without its MLA endpoint"
         assert h in leads[rec["anchor"]]["cks"], "anchor does not list its checkpoint"
     assert state.lru_page_count == state.lru_pages(), "meta.lru_pages out of step with the LRU"
+    assert state.durable_cks == state.durable_checkpoints(), (
+        "meta.durable_cks out of step with the checkpoints' classes")
     for ticket, rids in state.tix.items():
         assert rids and all(ticket in state.req[rid]["tix"] for rid in rids), f"ticket {ticket} dangles"
     pins = _expected_pins(state)

@@ -16,11 +16,12 @@ from redis.asyncio import Redis
 
 from cachetier.config import Config
 from eviction.policy import EvictionWeights, lru
-from index.errors import StaleEpoch
+from index.errors import BadRequest, StaleEpoch
 from index.hashing import hash_len
 from index.prefix import PinnedPrefix, PrefixProbe
-from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, PageCopy,
-                           ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal, StepRequest)
+from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
+                           PageCopy, ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal,
+                           StepRequest)
 from index.scripts import Scripts
 
 KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "rf", "path")
@@ -131,6 +132,12 @@ class PrefixIndex:
         block = self.config.cache.hash_block_tokens
         return PrefixProbe(self.pool_id, reply["epoch"], reply["hit"] * block, reply["mla"] * block)
 
+    async def stats(self) -> IndexStats:
+        """The pool's counters now, from one O(1) script; read-only and in whatever epoch the
+        pool is (it does not refresh `epoch`: a caller's pins are told stale by its next call)."""
+        raw = await self._scripts.call("stats", self.keys, [])
+        return IndexStats(**_decode_keys(msgpack.unpackb(raw, raw=True)))
+
     async def pin_prefix(self, reader: str, prompt_tokens: int, hashes: bytes) -> PinnedPrefix:
         """Pin the prompt's longest usable prefix under `reader`, for another pool to copy;
         `release([reader])` unpins it. A hit of 0 pins nothing."""
@@ -161,29 +168,30 @@ class PrefixIndex:
 
     def _encode(self, r: StepRequest) -> dict[str, Any]:
         if not isinstance(r.rid, str) or not r.rid:
-            raise ValueError(f"request id must be a non-empty string, got {r.rid!r}")
+            raise BadRequest(f"request id must be a non-empty string, got {r.rid!r}")
         if isinstance(r.compute_tokens, bool) or not isinstance(r.compute_tokens, int) or r.compute_tokens < 1:
-            raise ValueError(f"{r.rid}: compute_tokens must be an integer >= 1")
+            raise BadRequest(f"{r.rid}: compute_tokens must be an integer >= 1")
         item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint),
                                 "at_match": int(r.stop_at_match), "at_page": int(r.stop_at_page_end),
                                 "at_last": int(r.stop_at_last_page_end)}
         if r.is_new:
             blocks = (r.prompt_tokens or 0) // self.config.cache.hash_block_tokens
             if len(r.hashes) != blocks * self._hash_len:
-                raise ValueError(f"{r.rid}: {len(r.hashes)} hash bytes for {r.prompt_tokens} tokens; "
+                raise BadRequest(f"{r.rid}: {len(r.hashes)} hash bytes for {r.prompt_tokens} tokens; "
                                  f"expected {blocks} hashes of {self._hash_len} bytes")
             item["tokens"] = r.prompt_tokens
         return item
 
     def _check_batch(self, requests: Sequence[StepRequest]) -> None:
+        """Checked before the script, so before the epoch (ReferenceIndex checks in this order)."""
         self._check_size(requests)
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
-            raise ValueError("a request id appears twice in the step")
+            raise BadRequest("a request id appears twice in the step")
 
     def _check_size(self, items: Sequence[object]) -> None:
         if len(items) > self.config.cache.max_batch:
-            raise ValueError(f"batch of {len(items)} exceeds max_batch {self.config.cache.max_batch}")
+            raise BadRequest(f"batch of {len(items)} exceeds max_batch {self.config.cache.max_batch}")
 
 
 def _pairs(fields: dict[str, int | float]) -> list[Any]:

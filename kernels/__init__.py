@@ -4,10 +4,14 @@ Kernels move bytes between pages of the pool; they know layouts, never metadata.
 validates its batch on the host (a few vectorised passes, whatever the batch size), runs Triton on
 CUDA (or under `TRITON_INTERPRET=1` on CPU) and otherwise falls back to its reference (torch, and
 numpy record views of the same memory on CPU), returning which backend ran.
+
+Re-sharding between tensor-parallel degrees needs no kernel: heads are stored in ascending order in
+every rank's layout, so the heads two ranks share are one byte run on each side, and the transfer
+path (`gpu_pool.streams.plan_fetch`) reads it at its source offset and writes it at its
+destination offset.
 """
 
 from kernels._launch import Backend
-from kernels.head_reshard import head_reshard
 from kernels.page_copy import page_copy
 
-__all__ = ["Backend", "head_reshard", "page_copy"]
+__all__ = ["Backend", "page_copy"]

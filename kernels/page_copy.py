@@ -75,7 +75,7 @@ def page_copy(src: torch.Tensor, dst: torch.Tensor,
         _launch(src, dst, src_buf, dst_buf, rows)
     elif rows.uniform(2, 3):  # the usual batch: one (offset, count) for every pair
         offset, count = rows.low[2], rows.low[3]
-        copy_group(src_buf, dst_buf, rows.array[:, 0], rows.array[:, 1], offset, offset, count)
+        copy_group(src_buf, dst_buf, rows.array[:, 0], rows.array[:, 1], offset, count)
     else:
         copy_rows(src_buf, dst_buf, rows.array, rows.high[3])
     return backend

@@ -53,23 +53,23 @@ def copy_rows(src: Buffer, dst: Buffer, rows: np.ndarray, longest: int) -> None:
     inverse = inverse.ravel()
     for group, (offset, count) in enumerate(ranges.tolist()):
         pages = rows[inverse == group] if len(ranges) > 1 else rows
-        copy_group(src, dst, pages[:, 0], pages[:, 1], offset, offset, count)
+        copy_group(src, dst, pages[:, 0], pages[:, 1], offset, count)
 
 
 def copy_group(src: Buffer, dst: Buffer, src_pages: np.ndarray, dst_pages: np.ndarray,
-               src_offset: int, dst_offset: int, nbytes: int) -> None:
-    """Copy bytes `[src_offset, +nbytes)` of every slot of each src page (1-D int64 page ids) to
-    `[dst_offset, +nbytes)` of the paired dst page."""
+               offset: int, nbytes: int) -> None:
+    """Copy bytes `[offset, +nbytes)` of every slot of each src page (1-D int64 page ids) to the
+    same bytes of the paired dst page."""
     if nbytes == 0 or src_pages.size == 0 or src.slots == 0:
         return
     if nbytes < LOOP_MIN_BYTES and src.device_type == "cpu":
-        src_rec, dst_rec = src.records(src_offset, nbytes), dst.records(dst_offset, nbytes)
+        src_rec, dst_rec = src.records(offset, nbytes), dst.records(offset, nbytes)
         move_records(src_rec.array, dst_rec.array, src_rec.index(src_pages),
                      dst_rec.index(dst_pages), nbytes)
         return
-    width = word_width((src.align, dst.align, src_offset, dst_offset, nbytes))
-    src_rows = src.words(width, src_offset // width, nbytes // width)
-    dst_rows = dst.words(width, dst_offset // width, nbytes // width)
+    width = word_width((src.align, dst.align, offset, nbytes))
+    src_rows = src.words(width, offset // width, nbytes // width)
+    dst_rows = dst.words(width, offset // width, nbytes // width)
     if nbytes >= LOOP_MIN_BYTES:
         for s, d in zip(src_pages.tolist(), dst_pages.tolist()):
             dst_rows.select(1, d).copy_(src_rows.select(1, s))

@@ -1,7 +1,9 @@
-"""Shared fixtures: one real redis-server per test session, a clean database per test.
+"""Shared fixtures: one real redis-server per test session, a clean database per test, and on it
+a running service with its agent and a client holding the token.
 
 Never a mock of Redis: the Lua scripts are the system under test. If redis-server cannot start, the
-fixture raises and every test that needs it errors loudly; nothing is skipped.
+fixture raises and every test that needs it errors loudly; nothing is skipped. Tests that start
+several services or agents, or restart them, use `tests.cluster_harness` directly.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
 
+from cachetier.client import CacheTierClient
 from cachetier.run.servers import RedisServer
+from cachetier.service.server import CacheTierService
+from gpu_pool.agent import Agent
+from tests.cluster_harness import TOKEN, running_agent, running_service
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +46,24 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
         yield client
     finally:
         await client.aclose(close_connection_pool=True)
+
+
+@pytest.fixture
+async def service(redis: Redis, redis_url: str) -> AsyncIterator[CacheTierService]:
+    """The service with the tiny preset on the clean database (`redis` is what empties it)."""
+    async with running_service(redis_url) as service:
+        yield service
+
+
+@pytest.fixture
+async def agent(service: CacheTierService) -> AsyncIterator[Agent]:
+    """A CPU agent registered with `service` as rank 0 of pool "p"."""
+    async with running_agent(service.url) as agent:
+        yield agent
+
+
+@pytest.fixture
+async def tier(service: CacheTierService) -> AsyncIterator[CacheTierClient]:
+    """A client of `service` holding the token."""
+    async with CacheTierClient(service.url, token=TOKEN, timeout=10) as client:
+        yield client

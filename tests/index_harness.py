@@ -1,5 +1,6 @@
-"""Test helpers for the index: a small config, prompts built from shared documents, and a byte
-model of the pool that plays the agent, so tests can check what a hit's pages really hold.
+"""Test helpers for the index: a small config, prompts built from shared documents, a byte model
+of the pool that plays the agent, so tests can check what a hit's pages really hold, and `make` /
+`serve` to open a Redis pool and prefill a prompt on it the way an engine does.
 
 The byte model applies a step's copies and a forward pass's writes only when their ticket is
 confirmed, the latest moment a real device could have finished them. A page that is matched while
@@ -13,7 +14,9 @@ from typing import Any
 
 from cachetier.config import CacheSpec, Config, ModelSpec
 from index.hashing import chain_hashes, namespace_root
+from index.lifecycle import RequestLifecycle
 from index.records import CommitItem, RequestPlan, StepPlan, StepRequest
+from index.store import PrefixIndex
 
 ROOT = namespace_root("test-model")
 
@@ -124,7 +127,8 @@ def only(plan: StepPlan) -> RequestPlan:
 class Driver:
     """Drives an index (Redis or reference) like an engine would, with `PageBytes` as the agent:
     it remembers each request's tokens and plan, defers the device's work to confirmation, and
-    checks the bytes behind every hit."""
+    checks the bytes behind every hit. It has the index's face itself (`plan_step` for requests
+    whose tokens it knows), so `index.lifecycle` drives it like any index."""
 
     def __init__(self, index: Any, config: Config) -> None:
         self.index = index
@@ -134,6 +138,13 @@ class Driver:
         self.tokens: dict[str, list[int]] = {}
         self.plans: dict[str, RequestPlan] = {}
         self.tickets: dict[int, list[str]] = {}
+
+    @property
+    def epoch(self) -> int:
+        return self.index.epoch
+
+    async def plan_step(self, requests: list[StepRequest]):
+        return await self.plan(requests, {})
 
     async def plan(self, requests: list[StepRequest], tokens: dict[str, list[int]]):
         result = await self.index.plan_step(requests)
@@ -184,3 +195,30 @@ class Driver:
         self.bytes.deferred.clear()
         self.plans.clear()
         self.tickets.clear()
+
+
+async def make(redis: Any, config: Config, pool: str = "p") -> Driver:
+    """A fresh Redis pool of `config`, driven by a `Driver`."""
+    index = PrefixIndex(redis, pool, config)
+    await index.create()
+    return Driver(index, config)
+
+
+async def serve(d: Driver, rid: str, tokens: list[int], chunk: int, durable: bool = True,
+                block: int | None = None) -> list[StepPlan]:
+    """Prefill a whole prompt in chunks the way an engine does (`index.lifecycle`): plan,
+    confirm, forward, commit, confirm; then release. Returns the plans of each step."""
+    block = block or d.block
+    plans = []
+    d.tokens[rid] = tokens
+    step = new_request(rid, tokens, chunk, block)
+    async with RequestLifecycle(d, settle=lambda plan: d.confirm(plan.ticket)) as steps:
+        while True:
+            plan = await steps.plan([step])
+            plans.append(plan)
+            r = only(plan)
+            done = r.stop == len(tokens)
+            await steps.finish([commit_item(r, r.stop, durable and done, True, block)])
+            if done:
+                return plans
+            step = StepRequest(rid, chunk)

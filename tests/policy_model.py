@@ -1,10 +1,20 @@
 """An independent, pure-Python model of the checkpoint policies at hash-block level (no Redis).
 
+A test oracle, not part of the shipped package: it restates the index's rules (index/lua:
+plan_step, commit, release and lib.lua's eviction) in plain Python, so that the policies' figures
+can be told apart from the code that produces them. tests/test_replay_model.py checks the model
+alone: the hand-made trace of tests/hand_trace.py (every hit worked out there), and its own
+invariants (`Model.check`) under a budget. tests/test_replay.py runs the real index (`cachetier
+replay`'s runners) on the same hand trace, and against this model request by request on a
+synthetic agentic trace: the same hit for every request and as many checkpoints alive at the end,
+for each baseline, at unlimited capacity. Nothing compares the two under a budget, nor for the
+adaptive policy.
+
 A request is its prefix-chained hash ids (one per 512-token block of the trace, the last maybe
 partial) and its input length; requests are served one at a time in timestamp order (stable), and
-each request's input end is its turn end (see `traces`). The model restates the index's rules
-(index/lua: plan_step, commit, release, lib.lua's eviction) so that every per-request decision maps
-onto a `StepRequest` / `CommitItem` of the real index.
+each request's input end is its turn end (see cachetier.replay.traces). A policy's per-request
+decisions (`Steps`) are those a `CheckpointPlacement` makes for the real index: `StepRequest`
+flags, chunk size, and the class each `CommitItem` gives its checkpoint.
 
 Lookup (plan_step). usable = min(complete blocks, floor((L - 1) / B)), so at least one token is
 computed. MLA match m: binary search over page-end endpoints (prefix-closed), then the endpoints of
@@ -15,25 +25,29 @@ Passes. The prefill runs from the hit to L in forward passes; each pass that cro
 writes a checkpoint at its last aligned position floor(stop / B) * B (`StepRequest.checkpoint`).
 Pass ends come from the policy's per-request `Steps`:
   * `stop_at_match`: the first pass ends at the MLA match m * B when m > hit (a branch point);
-  * `stop_at_page_end`: a pass also ends at every physical page end it would cross (a rung);
+  * `stop_at_page_end`: a pass also ends at every physical page end it would cross (a rung), or
+    with `last_rung_only` at the deepest one only;
   * `chunk_tokens`: a pass computes at most that many tokens (chunked prefill);
   * the last pass ends at L: its checkpoint is the turn end (unless `turn_end=False`).
-Checkpoint classes: `turn` (last pass), `branch` (the pass ending at m), `rung` (a page end),
-`spec` (a page end that is not the request's deepest, when `spec_rungs`), `intermediate` (a chunk
-end: recycled when the request registers its next checkpoint), `superseded` (a turn end that a
-later request restored and continued past, when `demote_restored`). The real index knows two of
-them (`CommitItem.durable`: turn, branch, rung; otherwise intermediate).
+Checkpoint classes (eviction.policy.CLASSES): `turn` (last pass), `branch` (the pass ending at m),
+`rung` (a page end), `spec` (a page end that is not the request's deepest, when `spec_rungs`),
+`intermediate` (a chunk end: recycled when the request registers its next checkpoint),
+`superseded` (a turn end that a later request restored and continued past, when
+`demote_restored`; an exact repeat promotes it back to `turn`). The real index knows them all: a
+commit names one of the first five (`CommitItem.kind`), and commit.lua demotes and promotes turn
+ends itself.
 
-Conventions that reproduce the issue's figures (Mooncake trace, unlimited capacity, token-weighted,
-target in brackets; `python -m tests.policy_model` prints them):
+Conventions that reproduce the figures the policies were designed to (Mooncake trace, unlimited
+capacity, token-weighted, target in brackets; `python -m tests.policy_model --unlimited-only`, run
+from the repository root, prints them, and `cachetier replay` gets the same from the real index):
   oracle    0.6504 [0.650]  full attention, 512-token blocks: hit = the usable MLA match.
   seed      0.5088 [0.509]  one checkpoint per request, at floor(L/512)*512 (its turn end).
                             Chunking changes nothing at unlimited capacity: intermediate checkpoints
                             are recycled and only the turn end survives.
-  branch    0.5820 [0.582]  seed + a durable checkpoint at m*512 when m > hit: the request that
+  branch    0.5820 [0.582]  seed + a kept checkpoint at m*512 when m > hit: the request that
                             finds the branch point ends its first pass there (it still hits only
                             at its old checkpoint; the next request sharing the prefix hits at m).
-  ladder    0.6436 [0.644]  branch + a durable checkpoint at every 6,144-token page end p with
+  ladder    0.6436 [0.644]  branch + a kept checkpoint at every 6,144-token page end p with
                             hit*512 < p < L that the prefill crosses (those between hit and m too).
   coupled   0.5463 [0.546]  hash block = page = 6,144 tokens and ONE checkpoint per request, at
                             floor(L/6144)*6144 (an unchunked prefill). Checkpointing every page end
@@ -49,39 +63,46 @@ kda_groups = 3 ids; GB = 1e9 B, so 100 GB = 614 ids, 400 GB = 2,457, 1.6 TB = 9,
 request also holds its private state set (3 ids), its own MLA pages and, per pass, a checkpoint
 set. Eviction follows the index: leaf-first over the page tree (an MLA page with registered
 children is not evictable; evicting a page drops its endpoints and the checkpoints anchored on
-them, and its parent inherits its last-used stamp); pinned entries (the hit's anchor page until
+them, and its parent inherits its last-used stamps); pinned entries (the hit's anchor page until
 release, the restored checkpoint until the first commit) are not evictable; the lowest score goes
-first, ties by creation order. Page sets are what the index makes of a prompt: a request's page
-for a slot is kept only if it registers an endpoint first (first writer wins), so a page shared
-only partially (a hit inside a page) is copied and becomes a second page for that slot.
-Last-used stamps: `lu` = the plan tick when a pin is dropped or a checkpoint registered; as in
-release.lua today, a newly registered MLA page keeps lu = 0 until a hit pins it (`fresh="zero"`);
-`fresh="tick"` stamps it at release.
+first, ties by creation order (the index breaks ties by page id, so under a budget the two may
+evict equal scores in another order). Page sets are what the index makes of a prompt: a request's
+page for a slot is kept only if it registers an endpoint first (first writer wins), so a page
+shared only partially (a hit inside a page) is copied and becomes a second page for that slot.
+Last-used stamps: `lu` = the plan tick when a pin is dropped or a checkpoint registered, and, with
+`fresh="tick"`, when release hands a request's new MLA pages to the cache, as release.lua does.
+`fresh="zero"` (the baselines' default, an earlier release.lua) leaves them at lu = 0 until a hit
+pins them; the two differ only once something is evicted.
 
-Score (one formula, weights per policy; lib.lua's is the special case value = 0, clock = 0):
+Score (eviction.policy.EvictionWeights' formula, as lib.lua's `score` evaluates it; a policy's
+`Scorer` holds its weights):
   score = recency * lu + clock * lc + bonus[class] + depth * prefix_tokens / pages
           + value[class] * gain / pages
-`lc` is a second stamp taken at the same moments as `lu`: the pool's GreedyDual inflation value,
-which eviction raises to lc + value-term of each entry it evicts. `gain` = the tokens a checkpoint
-adds over the deepest checkpoint its request had restored or written before it (what losing it
-costs a request that would hit it); an MLA page carries the sum of its anchored checkpoints' terms
-over its own page plus theirs (they are evicted with it), and a page with none has value 0.
+An MLA page's bonus is the highest of `mla` and its anchored checkpoints' classes' bonuses. `lc`
+is a second stamp taken at the same moments as `lu`: the pool's GreedyDual inflation value,
+which eviction raises to lc + value term of each entry it evicts. `gain` = the tokens a
+checkpoint adds over the deepest kept checkpoint (neither intermediate nor spec) its request had
+restored or written before it (what losing it costs a request that would hit it); an MLA page
+carries the sum of its anchored checkpoints' terms over its own page plus theirs (they are
+evicted with it), and a page with none has value 0.
 
 The `adaptive` policy (see `adaptive()`): two modes, and the pool follows whichever mode's
 metadata-only shadow copy (this model, fed every request's hash ids) served more tokens over the
 last 1,000 requests (decided every 100, switching only past a 0.002 margin); the first mode at
 unlimited capacity.
-  `value` mode (GreedyDual on prefill tokens saved per page id, Marconi-like): branch points,
-    page-end rungs (the deepest one a request crosses is a `rung`, the others `spec`), turn ends;
-    a restored turn end the request continues past becomes `superseded` (an exact repeat promotes
-    it back). score = lc + value[class] * gain / pages, value = branch 2, turn 1, rung 1,
-    superseded 0.2, spec 0.02 (tokens per page id: a checkpoint weighs 3 ids = 18,432 MLA tokens).
-  `recency` mode (deep agentic sessions under a tight budget): checkpoints only at the deepest page
-    end a request crosses (a turn end only for prompts shorter than a page: no partial page and no
-    superseded checkpoint per turn), lib.lua's LRU tiers.
+  `value` mode (GreedyDual on prefill tokens saved per page id, Marconi-like; eviction.policy
+    `value()`): branch points, page-end rungs (the deepest one a request crosses is a `rung`, the
+    others `spec`), turn ends; a restored turn end the request continues past becomes
+    `superseded` (an exact repeat promotes it back). score = lc + value[class] * gain / pages,
+    value = branch 2, turn 1, rung 1, superseded 0.2, spec 0.02 (tokens per page id: a
+    checkpoint weighs 3 ids = 18,432 MLA tokens).
+  `recency` mode (deep agentic sessions under a tight budget; eviction.policy `recency()`):
+    checkpoints only at the deepest page end a request crosses (a turn end only for prompts
+    shorter than a page: no partial page and no superseded checkpoint per turn), the LRU tiers
+    with spec and superseded checkpoints in the intermediate tier.
 The real index implements all of it (release's recency stamp, checkpoint classes and gains, the
-GreedyDual clock, demotion, `stop_at_last_page_end`, `reweigh.lua`; see cachetier/replay/adaptive.py
-for the runner with its shadow pools), and tests/test_replay.py compares the two on the baselines.
+GreedyDual clock, demotion, `stop_at_last_page_end`, `reweigh.lua`); cachetier/replay/adaptive.py
+is the runner with its shadow pools.
 """
 
 from __future__ import annotations
@@ -94,10 +115,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cachetier.replay.traces import BLOCK_TOKENS, TraceRequest
-from eviction.policy import TIER
+from eviction.policy import CLASSES, TIER
 
-CLASSES = ("intermediate", "turn", "branch", "rung", "spec", "superseded")
-DURABLE = ("turn", "branch", "rung")
+DURABLE = ("turn", "branch", "rung")  # what the LRU tiers of `recency()` keep above MLA pages
 GB = 10**9
 
 
@@ -127,8 +147,9 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Steps:
-    """A request's decisions, as the real index takes them: `StepRequest` flags and chunk size,
-    and the class of each checkpoint its passes write (`CommitItem.durable` and beyond)."""
+    """A request's decisions, as a `CheckpointPlacement` takes them for the real index:
+    `StepRequest` flags and chunk size, and the class of each checkpoint its passes write
+    (`CommitItem.kind`)."""
 
     stop_at_match: bool = False
     stop_at_page_end: bool = False
@@ -145,24 +166,25 @@ class Scorer:
     """score = recency * lu + clock * lc + bonus[class] + depth * prefix / pages
                + value[class] * gain / pages; the lowest is evicted first.
 
-    An MLA page's class is the highest-bonus one among its anchored checkpoints' classes listed in
-    `anchor_classes`, else `mla` (lib.lua: a page anchoring a durable checkpoint is durable)."""
+    An MLA page's bonus is the highest of `mla` and its anchored checkpoints' classes' bonuses,
+    as in lib.lua's `terms`."""
 
     recency: float = 1.0
     clock: float = 0.0
     bonus: tuple[tuple[str, float], ...] = ()
     depth: float = 0.0
     value: tuple[tuple[str, float], ...] = ()
-    anchor_classes: tuple[str, ...] = DURABLE
     fresh: Literal["zero", "tick"] = "zero"
 
     @classmethod
     def lib_lua(cls, recency: float = 1.0, mla: float = TIER, intermediate: float = 0.0,
                 durable: float = 2 * TIER, depth: float = 0.0,
                 fresh: Literal["zero", "tick"] = "zero") -> Scorer:
-        """eviction.policy.EvictionWeights as the index evaluates them (defaults: `lru()`)."""
-        bonus = {"intermediate": intermediate, "mla": mla, "spec": intermediate,
-                 "superseded": intermediate, **{c: durable for c in DURABLE}}
+        """The LRU tiers of eviction.policy as the index evaluates them. The defaults are
+        `recency()` (spec and superseded checkpoints in the intermediate tier), which is `lru()`
+        on every class the baselines write."""
+        bonus = {"mla": mla, **{c: intermediate for c in CLASSES},
+                 **{c: durable for c in DURABLE}}
         return cls(recency=recency, bonus=tuple(bonus.items()), depth=depth, fresh=fresh)
 
 
@@ -380,7 +402,7 @@ class Model:
         sc = policy.scorer
         self._bonus = collections.defaultdict(float, sc.bonus)
         self._value = collections.defaultdict(float, sc.value)
-        self._rank = [(self._bonus[c], c) for c in sc.anchor_classes]
+        self._rank = [(self._bonus[c], c) for c in CLASSES]
         for obj in list(self._entries()):
             self._touch(obj)
 

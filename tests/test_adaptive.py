@@ -14,14 +14,14 @@ import pytest
 from cachetier.config import load_config
 from cachetier.engine.checkpoint_placement import SEED, CheckpointPlacement
 from cachetier.replay.adaptive import RECENCY, VALUE, AdaptiveRunner, Switching
-from cachetier.replay.replayer import PromptHashes, ReplayContext, replay_budget, unlimited
+from cachetier.replay.replayer import PromptHashes, ReplayContext, unlimited
+from cachetier.replay.runners import replay_budget
 from cachetier.replay.traces import AgenticSpec, synth_agentic
 from eviction.policy import CLASSES, lru, value
 from index.records import CommitItem, RequestPlan, StepRequest
 from index.reference import entry_of
 from index.snapshot import read_pool, sanity_check
-from tests.index_harness import Driver, new_request, only, small_config
-from tests.test_index_flows import make
+from tests.index_harness import Driver, make, new_request, only, small_config
 
 CONFIG = small_config(num_pages=64)
 BLOCK, PAGE = 4, 16

@@ -24,8 +24,7 @@ from cachetier.wire.protocol import (PROTOCOL_VERSION, AgentIdentity, CopyBatch,
 from gpu_pool import PagedPool
 from gpu_pool.agent import Agent, AgentSettings
 from gpu_pool.observer import AgentObserver
-from tests.test_service import (TINY, TOKEN, eventually, running_agent,  # noqa: F401
-                                running_service, service)
+from tests.cluster_harness import TINY, TOKEN, eventually, running_agent, running_service
 
 PAGE_BYTES = TINY.geometry.page_bytes
 
@@ -133,7 +132,7 @@ async def test_the_observer_hears_each_registration(scripted):
     assert heard == [("p", 0, scripted.url, scripted.epoch)] * 2
 
 
-async def test_the_pool_is_shared_through_the_handle_file_and_removed_at_exit(service, tmp_path):  # noqa: F811
+async def test_the_pool_is_shared_through_the_handle_file_and_removed_at_exit(service, tmp_path):
     handle_file = tmp_path / "pool.handle"
     async with running_agent(service.url, handle_file=handle_file) as agent:
         handle = pickle.loads(handle_file.read_bytes())
@@ -158,7 +157,7 @@ async def test_a_restarted_service_gets_the_agent_back_in_the_same_epoch(redis, 
                     assert (await tier.stats("p")).epoch == epoch == agent.epoch
 
 
-async def test_a_restarted_agent_starts_a_new_epoch(service):  # noqa: F811
+async def test_a_restarted_agent_starts_a_new_epoch(service):
     async with running_agent(service.url) as first:
         pass
     async with running_agent(service.url) as second:
@@ -172,14 +171,14 @@ OTHER_GEOMETRY = Config(TINY.model, CacheSpec(**{**TINY.cache.__dict__, "num_pag
     ({"token": "wrong"}, ErrorCode.UNAUTHORIZED),
     ({"tp_degree": 2}, ErrorCode.BAD_REQUEST),
 ], ids=["token", "tp_degree"])
-async def test_a_refusal_retrying_cannot_fix_ends_the_run(service, overrides, code):  # noqa: F811
+async def test_a_refusal_retrying_cannot_fix_ends_the_run(service, overrides, code):
     settings = AgentSettings((service.url,), "p", **{"token": TOKEN, **overrides})
     with pytest.raises(RemoteError) as err:
         await asyncio.wait_for(Agent(settings).run(), 10)
     assert err.value.code == code
 
 
-async def test_a_pool_of_another_geometry_is_refused(service, redis_url):  # noqa: F811
+async def test_a_pool_of_another_geometry_is_refused(service, redis_url):
     async with running_agent(service.url):
         pass                                                 # pool "p" exists, tiny geometry
     async with running_service(redis_url, config=OTHER_GEOMETRY) as other:

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from redis.asyncio import Redis
 
 from cachetier.cli import main
+from tests.redis_harness import all_keys
 
 CASE_KEYS = {"tokens", "batch", "p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms",
              "round_trips_per_step", "hit_tokens"}
 POSITIVE = ("p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms")
-
-
-def all_keys(url: str) -> set[bytes]:
-    async def scan() -> set[bytes]:
-        async with Redis.from_url(url) as client:
-            return {key async for key in client.scan_iter()}
-    return asyncio.run(scan())
 
 
 def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from cachetier.cli import main
-from tests.test_bench_lookup import all_keys
+from tests.redis_harness import all_keys
 
 CASE_KEYS = {"batch", "tokens", "service_p50_us", "service_p99_us", "direct_p50_us",
              "rtt_p50_us", "ratio", "copies_per_step", "hit_tokens"}

@@ -53,8 +53,8 @@ from gpu_pool import PagedPool
 from index.records import RequestPlan, StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
+from tests.cluster_harness import BLOCK, PAGE, TINY, TOKEN, running_service
 from tests.index_harness import commit_item, new_request
-from tests.test_service import BLOCK, PAGE, TINY, TOKEN, running_service
 
 POOL = "p"
 CLIENTS = 6

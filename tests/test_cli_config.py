@@ -1,15 +1,24 @@
-"""`cachetier config show` and the bench delegation, run in-process through `cli.main`."""
+"""`cachetier config show`, the bench delegation, and the flags that pick registry entries by name
+(`demo --policy`, `replay --policies`), run in-process through `cli.main`."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 
 from cachetier.cli import main
+from cachetier.config import load_config
+from cachetier.engine.checkpoint_placement import PLACEMENTS
+from cachetier.replay.replayer import PromptHashes, ReplayContext
+from cachetier.replay.runners import RUNNER_NAMES, RUNNERS
+from cachetier.replay.traces import TraceRequest, write_trace
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -147,3 +156,101 @@ def test_missing_bench_module_is_a_clear_error(capsys: pytest.CaptureFixture[str
     code, out, err = run_cli(capsys, "bench", "restore", "--json")
     assert code == 1 and out == ""
     assert "bench restore is not available: module cachetier.bench.restore is missing" in err
+
+
+# -- names picked from a registry: demo --policy (placements), replay --policies (runners) ---------
+
+NAME_ERROR = re.compile(r"^cachetier: (--policy|--policies): unknown (checkpoint placement|replay "
+                        r"runner) '([^']*)'; expected one of ([\w-]+, )*[\w-]+$")
+PLACEMENT_LIST = ", ".join(PLACEMENTS)
+RUNNER_LIST = ", ".join(RUNNER_NAMES)
+
+
+@pytest.fixture
+def demo_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """`demo` without a cluster: `up` calls the demo at once, which records its options."""
+    runs: list[Any] = []
+    monkeypatch.setattr("cachetier.run.cluster.up", lambda settings, serve: serve("cluster") or 0)
+    monkeypatch.setattr("cachetier.run.demo.run_demo",
+                        lambda cluster, options: runs.append(options))
+    return runs
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "two.jsonl"
+    write_trace(path, [TraceRequest(0, 1024, 1, (7, 8)), TraceRequest(1, 1600, 1, (7, 8, 9, 10))])
+    return path
+
+
+UNKNOWN_PLACEMENT = "--policy: unknown checkpoint placement {!r}; expected one of " + PLACEMENT_LIST
+
+
+@pytest.mark.parametrize("value, message", [
+    ("lru", UNKNOWN_PLACEMENT.format("lru")),
+    ("oracle", UNKNOWN_PLACEMENT.format("oracle")),
+    ("Seed", UNKNOWN_PLACEMENT.format("Seed")),
+    ("seed,branch", "--policy: one checkpoint placement only, got seed, branch"),
+    (" , ", f"--policy: no checkpoint placement named; expected one of {PLACEMENT_LIST}"),
+], ids=["eviction-policy", "runner-only", "case", "two", "none"])
+def test_demo_refuses_a_bad_placement_before_starting_anything(
+        capsys: pytest.CaptureFixture[str], demo_runs: list[Any], value: str, message: str) -> None:
+    code, out, err = run_cli(capsys, "demo", "--policy", value)
+    assert (code, out, err.strip()) == (2, "", f"cachetier: {message}")
+    assert demo_runs == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ("seed,lru", f"--policies: unknown replay runner 'lru'; expected one of {RUNNER_LIST}"),
+    ("seed,,Branch", f"--policies: unknown replay runner 'Branch'; expected one of {RUNNER_LIST}"),
+    ("seed, seed", "--policies: replay runner 'seed' named twice"),
+    (",", f"--policies: no replay runner named; expected one of {RUNNER_LIST}"),
+], ids=["eviction-policy", "case", "twice", "none"])
+def test_replay_refuses_a_bad_runner_alike(capsys: pytest.CaptureFixture[str], trace: Path,
+                                           value: str, message: str) -> None:
+    code, out, err = run_cli(capsys, "replay", str(trace), "--policies", value)
+    assert (code, out, err.strip()) == (2, "", f"cachetier: {message}")
+
+
+def test_both_flags_refuse_an_unknown_name_in_the_same_shape(
+        capsys: pytest.CaptureFixture[str], demo_runs: list[Any], trace: Path) -> None:
+    demo = run_cli(capsys, "demo", "--policy", "nope")[2].strip()
+    replay = run_cli(capsys, "replay", str(trace), "--policies", "nope")[2].strip()
+    shapes = [NAME_ERROR.match(err) for err in (demo, replay)]
+    assert all(shapes), (demo, replay)
+    assert [m.group(1, 2, 3) for m in shapes] == [  # type: ignore[union-attr]
+        ("--policy", "checkpoint placement", "nope"), ("--policies", "replay runner", "nope")]
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_demo_runs_every_placement_by_its_name(capsys: pytest.CaptureFixture[str],
+                                               demo_runs: list[Any], name: str) -> None:
+    assert run_cli(capsys, "demo", "--policy", f" {name} ")[0] == 0
+    assert run_cli(capsys, "demo")[0] == 0
+    assert [options.policy for options in demo_runs] == [name, "branch"]
+
+
+def test_replay_runs_the_runners_it_is_given(capsys: pytest.CaptureFixture[str],
+                                             trace: Path) -> None:
+    code, out, err = run_cli(capsys, "replay", str(trace), "--json", "--policies", " seed ,ladder,")
+    assert code == 0, err
+    assert list(json.loads(out)["policies"]) == ["seed", "ladder"]
+
+
+def test_every_placement_name_is_the_runner_that_runs_it() -> None:
+    """The demo's names are the placements', spelled as the replay runners that run them."""
+    ctx = ReplayContext(Redis(), load_config("kimi-k3"), 8192, PromptHashes("kimi-k3", "xxh3_128"))
+    assert set(PLACEMENTS) < set(RUNNER_NAMES)
+    for name, placement in PLACEMENTS.items():
+        assert RUNNERS[name](ctx).policy is placement
+
+
+def test_help_says_which_names_each_flag_takes(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag: names are not cut at their hyphens
+    demo_help = " ".join(run_cli(capsys, "demo", "--help")[1].split())
+    assert f"--policy NAME checkpoint placement, one of {PLACEMENT_LIST} (default branch)" \
+        in demo_help
+    replay_help = " ".join(run_cli(capsys, "replay", "--help")[1].split())
+    assert f"--policies NAME,NAME,... replay runners to compare, among {RUNNER_LIST} " \
+           "(default: all)" in replay_help

@@ -19,8 +19,8 @@ from cachetier.errors import ConnectionLost, RemoteError, RequestTimeout
 from cachetier.wire.framing import Endpoint
 from cachetier.wire.protocol import HealthReport, PoolStats
 from index.records import StepRefusal
+from tests.cluster_harness import BLOCK, TOKEN, running_service
 from tests.index_harness import new_request
-from tests.test_service import BLOCK, TOKEN, agent, running_service, service, tier  # noqa: F401
 
 
 class DelayingProxy:
@@ -80,7 +80,7 @@ class DelayingProxy:
 
 
 @pytest.fixture
-async def proxy(service) -> AsyncIterator[DelayingProxy]:  # noqa: F811
+async def proxy(service) -> AsyncIterator[DelayingProxy]:
     proxy = DelayingProxy(service.url, delay=0.05)
     await proxy.start()
     try:
@@ -90,7 +90,7 @@ async def proxy(service) -> AsyncIterator[DelayingProxy]:  # noqa: F811
 
 
 @pytest.fixture
-async def slow_tier(proxy, agent) -> AsyncIterator[CacheTierClient]:  # noqa: F811
+async def slow_tier(proxy, agent) -> AsyncIterator[CacheTierClient]:
     async with CacheTierClient(proxy.url, token=TOKEN, timeout=5) as client:
         yield client
 
@@ -108,8 +108,8 @@ async def test_a_cancelled_request_never_hands_its_reply_to_the_next(slow_tier, 
     assert proxy.connections == 1   # nothing was half-read, so nothing had to be thrown away
 
 
-async def test_a_timeout_is_retryable_and_the_connection_stays_usable(service, proxy):  # noqa: F811
-    async with CacheTierClient(proxy.url, token=TOKEN, timeout=0.05) as tier:  # noqa: F811
+async def test_a_timeout_is_retryable_and_the_connection_stays_usable(service, proxy):
+    async with CacheTierClient(proxy.url, token=TOKEN, timeout=0.05) as tier:
         proxy.delay = 0.1
         with pytest.raises(RequestTimeout) as err:
             await tier.health()
@@ -154,26 +154,26 @@ async def test_the_client_reconnects_to_a_restarted_service(redis, redis_url):
 
 
 async def test_a_unix_socket_serves_like_tcp(redis, redis_url, tmp_path):
-    async with running_service(redis_url, listen=f"unix://{tmp_path}/ct.sock") as service:  # noqa: F811
-        async with CacheTierClient(service.url, token=TOKEN) as tier:  # noqa: F811
+    async with running_service(redis_url, listen=f"unix://{tmp_path}/ct.sock") as service:
+        async with CacheTierClient(service.url, token=TOKEN) as tier:
             assert (await tier.health()).redis
     assert not (tmp_path / "ct.sock").exists()
 
 
 async def test_no_service_is_a_retryable_connection_error(tmp_path):
-    tier = CacheTierClient(f"unix://{tmp_path}/nobody.sock", token=TOKEN, connect_timeout=0.2)  # noqa: F811
+    tier = CacheTierClient(f"unix://{tmp_path}/nobody.sock", token=TOKEN, connect_timeout=0.2)
     with pytest.raises(ConnectionLost) as err:
         await tier.health()
     assert err.value.retryable
 
 
-async def test_a_step_the_pool_cannot_hold_is_refused_not_failed(tier, agent):  # noqa: F811
+async def test_a_step_the_pool_cannot_hold_is_refused_not_failed(tier, agent):
     huge = list(range(300 * 64))                       # more pages than the tiny pool has
     refusal = await tier.plan("p", [new_request("huge", huge, len(huge), BLOCK)])
     assert isinstance(refusal, StepRefusal) and refusal.pages_needed > refusal.pages_available
 
 
-async def test_service_errors_arrive_typed(tier, agent):  # noqa: F811
+async def test_service_errors_arrive_typed(tier, agent):
     with pytest.raises(RemoteError) as err:
         await tier.confirm("p", 12345)
     assert (err.value.code, err.value.retryable) == ("unknown", True)

@@ -26,7 +26,7 @@ from gpu_pool import PagedPool
 from index.records import RequestPlan
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from tests.test_service import TOKEN, running_agent, running_service
+from tests.cluster_harness import TOKEN, running_agent, running_service
 from tinymodel import TinyHybrid
 
 TINY = PRESETS["tiny"]

@@ -9,8 +9,7 @@ import pytest
 from eviction.policy import (CLASSES, TIER, Entry, EvictionWeights, PerClass, lru, eviction_weights,
                              recency, value)
 from index.snapshot import read_pool
-from tests.index_harness import commit_item, new_request, only, small_config
-from tests.test_index_flows import make, serve
+from tests.index_harness import commit_item, make, new_request, only, serve, small_config
 
 
 async def test_lru_tiers_intermediate_then_mla_then_durable(redis):
@@ -45,7 +44,7 @@ def test_score_formula_weights_each_term():
                         bonus=PerClass(intermediate=1.0, turn=100.0, spec=50.0),
                         value=PerClass(turn=1.0, branch=2.0, spec=0.25))
     page = Entry(True, last_used=3, clock_stamp=7.0, prefix_tokens=8, pages=2,
-                 counts=(0, 0, 0, 0, 0, 0), gains=(0, 0, 0, 0, 0, 0))
+                 counts=(0,) * len(CLASSES), gains=(0,) * len(CLASSES))
     assert w.score(page, kda_groups=3) == 2.0 * 3 + 3.0 * 7.0 + 10.0 + 0.5 * 8 / 2
     # a page anchoring a turn end (gain 40) and a branch point (gain 12): the highest bonus,
     # and their value over every page its eviction frees (its 2 + 3 per checkpoint)

@@ -26,11 +26,12 @@ from gpu_pool import PagedPool
 from gpu_pool.agent import Agent, AgentSettings
 from gpu_pool.transfer import STREAM_HEADER, PageServer, StreamsAccepted
 from index.hashing import chain_hashes
-from index.records import RequestPlan, StepPlan
+from index.lifecycle import RequestLifecycle
+from index.records import RequestPlan
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from tests.index_harness import ROOT, commit_item, new_request
-from tests.test_service import TOKEN, running_agent, running_service
+from tests.cluster_harness import TOKEN, running_agent, running_service
+from tests.index_harness import ROOT, commit_item, new_request, only
 
 MODEL = ModelSpec(kda_heads=8, kda_head_k_dim=4, kda_head_v_dim=8, mla_latent_dim=4)
 CACHE = CacheSpec(hash_block_tokens=4, page_tokens=16, page_alignment=64, num_pages=64)
@@ -65,13 +66,10 @@ def forward(views: list[PagedPool], plan: RequestPlan, tokens: list[int]) -> Non
 
 
 async def prefill(tier: CacheTierClient, views: list[PagedPool], tokens: list[int]) -> None:
-    step = await tier.plan("prefill", [new_request("p", tokens, len(tokens), BLOCK)])
-    assert isinstance(step, StepPlan)
-    (plan,) = step.requests
-    forward(views, plan, tokens)
-    done = await tier.commit("prefill", [commit_item(plan, plan.stop, True, True, BLOCK)])
-    await tier.confirm("prefill", done.ticket)
-    await tier.release("prefill", ["p"])
+    async with RequestLifecycle(tier.pool("prefill")) as steps:
+        plan = only(await steps.plan([new_request("p", tokens, len(tokens), BLOCK)]))
+        forward(views, plan, tokens)
+        await steps.finish([commit_item(plan, plan.stop, True, True, BLOCK)])
 
 
 async def no_pins(redis, pool: str, config: Config) -> None:

@@ -14,15 +14,10 @@ from index.errors import BadRequest, PoolConflict, StaleEpoch, UnknownEntity, Un
 from index.hashing import chain_hashes
 from index.records import StepRequest
 from index.store import PrefixIndex
-from tests.index_harness import ROOT, new_request, small_config
-from tests.test_index_flows import make, serve
+from tests.index_harness import ROOT, make, new_request, serve, small_config
+from tests.redis_harness import dump
 
 CONFIG = small_config()
-
-
-async def dump(redis) -> dict[bytes, bytes]:
-    """Every key's serialized value: byte-for-byte equality means nothing changed."""
-    return {k: await redis.dump(k) for k in sorted(await redis.keys("*"))}
 
 
 @pytest.fixture

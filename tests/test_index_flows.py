@@ -8,41 +8,13 @@ import pytest
 
 from cachetier.config import CacheSpec, Config, ModelSpec
 from index.hashing import chain_hashes, namespace_root
-from index.records import StepPlan, StepRequest
+from index.records import StepRequest
 from index.snapshot import read_pool, sanity_check
 from index.store import PrefixIndex
-from tests.index_harness import ROOT, Driver, commit_item, new_request, only, small_config
+from tests.index_harness import (ROOT, Driver, commit_item, make, new_request, only, serve,
+                                 small_config)
 
 SEED = Config(ModelSpec(), CacheSpec(hash_block_tokens=512, page_tokens=6144, num_pages=64))
-
-
-async def make(redis, config: Config, pool: str = "p") -> Driver:
-    index = PrefixIndex(redis, pool, config)
-    await index.create()
-    return Driver(index, config)
-
-
-async def serve(d: Driver, rid: str, tokens: list[int], chunk: int, durable: bool = True,
-                block: int | None = None) -> list[StepPlan]:
-    """Prefill a whole prompt in chunks the way an engine does: plan, confirm, forward, commit,
-    confirm; then release. Returns the plans of each step."""
-    block = block or d.block
-    plans = []
-    first = new_request(rid, tokens, chunk, block)
-    step: StepRequest = first
-    while True:
-        plan = await d.plan([step], {rid: tokens})
-        plans.append(plan)
-        await d.confirm(plan.ticket)
-        r = only(plan)
-        done = r.stop == len(tokens)
-        c = await d.commit([commit_item(r, r.stop, durable and done, True, block)])
-        await d.confirm(c.ticket)
-        if done:
-            break
-        step = StepRequest(rid, chunk)
-    await d.release([rid])
-    return plans
 
 
 async def check(d: Driver, config: Config) -> None:

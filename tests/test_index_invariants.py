@@ -14,8 +14,8 @@ from index.hashing import chain_hashes, split_hashes
 from index.records import StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
 from index.store import PrefixIndex
-from tests.index_harness import ROOT, Driver, commit_item, new_request, only, small_config
-from tests.test_index_flows import make, serve
+from tests.index_harness import (ROOT, Driver, commit_item, make, new_request, only, serve,
+                                 small_config)
 
 
 def doc(n: int, length: int = 64) -> list[int]:

@@ -1,19 +1,24 @@
 """Hypothesis state machine: the Lua scripts on a real redis-server against the in-memory reference.
 
-Random steps (new and continuing requests, batched), commits at random chunk ends with or without
-checkpoints of every class, confirms in any order, releases, explicit evictions, switches of the
-eviction weights (LRU tiers, GreedyDual value, odd fractions) rescored in small batches, and pool
-invalidations. After every
-operation both must have answered the same (page ids included), the whole Redis state must equal the
-reference's, `sanity_check` must pass (refcounts = holders, never negative, no page both free and
-referenced, leaf-first tree intact, checkpoints anchored), and the byte model must show that every
-hit's pages hold exactly the declared prefix.
+Both are driven through the same face (`index.face.Index`, no adapter): random steps (new and
+continuing requests, batched), commits at random chunk ends with or without checkpoints of every
+class, confirms in any order, releases, explicit evictions, probes, switches of the eviction
+weights (LRU tiers, GreedyDual value, odd fractions) rescored in small batches, and pool
+invalidations, by the faces under test or by another replica's (theirs then answer StaleEpoch once
+and carry on in the new epoch). After every operation both must have answered the same (page ids
+included), the whole Redis state must equal the reference's, both `stats()` must equal the
+counters recounted from the records, `sanity_check` must pass (refcounts = holders, never
+negative, no page both free and referenced, leaf-first tree intact, checkpoints anchored, kept
+counters in step), and the byte model must show that every hit's pages hold exactly the declared
+prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -23,50 +28,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from cachetier.config import Config
-from eviction.policy import EvictionWeights, PerClass, lru, recency, value
+from eviction.policy import CLASSES, COMMIT_KINDS, EvictionWeights, PerClass, lru, recency, value
 from index.errors import CacheIndexError
+from index.hashing import chain_hashes
 from index.records import CommitItem, StepPlan, StepRequest
 from index.reference import ReferenceIndex
-from index.snapshot import read_pool, sanity_check
+from index.snapshot import read_pool, recount, sanity_check
 from index.store import PrefixIndex
-from tests.index_harness import Driver, new_request, small_config
+from tests.index_harness import ROOT, Driver, new_request, small_config
 
 
-class ReferenceAdapter:
-    """The reference model behind PrefixIndex's async signatures, tracking the epoch the same way."""
-
-    def __init__(self, config: Config) -> None:
-        self.model = ReferenceIndex(config)
-        self.epoch = self.model.s.epoch
-
-    async def plan_step(self, requests):
-        return self.model.plan_step(self.epoch, requests)
-
-    async def commit(self, items):
-        return self.model.commit(self.epoch, items)
-
-    async def confirm(self, ticket):
-        return self.model.confirm(self.epoch, ticket)
-
-    async def release(self, rids):
-        return self.model.release(self.epoch, rids)
-
-    async def evict(self, count):
-        return self.model.evict(self.epoch, count)
-
-    async def invalidate(self):
-        self.epoch = self.model.invalidate()
-        return self.epoch
-
-    async def reweigh(self, weights, batch):
-        return self.model.reweigh(self.epoch, weights)
-
-
-KINDS = ("intermediate", "turn", "branch", "rung", "spec")
 ODD = st.sampled_from([0.0, 1.0, 0.1, 1 / 3, 2.5, 1e-3, 2.0**40])
 WEIGHTS = st.sampled_from([lru(), recency(), value()]) | st.builds(
     EvictionWeights, recency=ODD, clock=ODD, mla=ODD, depth=ODD,
-    bonus=st.builds(PerClass, *[ODD] * 6), value=st.builds(PerClass, *[ODD] * 6))
+    bonus=st.builds(PerClass, *[ODD] * len(CLASSES)),
+    value=st.builds(PerClass, *[ODD] * len(CLASSES)))
 
 
 def prompt(doc: int, length: int, branch: int | None, variant: int) -> list[int]:
@@ -87,9 +63,11 @@ class IndexMachine(RuleBasedStateMachine):
         self.redis = Redis(connection_pool=pool)
         self.loop.run_until_complete(self.redis.flushall())
         real = PrefixIndex(self.redis, "m", self.config)
-        self.loop.run_until_complete(real.create())
+        ref = ReferenceIndex(self.config, pool_id="m")
+        for index in (real, ref):
+            self.loop.run_until_complete(index.create())
         self.real = Driver(real, self.config)
-        self.ref = Driver(ReferenceAdapter(self.config), self.config)
+        self.ref = Driver(ref, self.config)
         self.status: dict[str, str] = {}
         self.tickets: list[int] = []
         self.serial = 0
@@ -107,6 +85,17 @@ class IndexMachine(RuleBasedStateMachine):
             except CacheIndexError as exc:
                 outcomes.append(type(exc))
         assert outcomes[0] == outcomes[1], f"{op}: redis {outcomes[0]!r} != reference {outcomes[1]!r}"
+        return outcomes[0]
+
+    def faces(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """One call straight on both faces (no driver); same agreement as `both`."""
+        outcomes = []
+        for index in (self.real.index, self.ref.index):
+            try:
+                outcomes.append(self.loop.run_until_complete(call(index)))
+            except CacheIndexError as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1], f"redis {outcomes[0]!r} != reference {outcomes[1]!r}"
         return outcomes[0]
 
     @rule(data=st.data())
@@ -188,10 +177,12 @@ class IndexMachine(RuleBasedStateMachine):
             stop = data.draw(st.integers(plan.start + 1, plan.stop))
             ck = stop // block * block
             with_ck = bool(plan.checkpoint_pages) and ck > plan.start and data.draw(st.booleans())
-            kind = data.draw(st.none() | st.sampled_from(KINDS))
+            kind = data.draw(st.none() | st.sampled_from(COMMIT_KINDS))
             durable = kind is None and data.draw(st.booleans())
             items.append(CommitItem(rid, stop, ck if with_ck else 0, durable, kind))
         result = self.both("commit", items)
+        if isinstance(result, type):  # refused whole (more than max_batch): nothing changed
+            return
         self.tickets.append(result.ticket)
         for item in items:
             done = item.stop == len(self.real.tokens[item.rid])
@@ -219,9 +210,17 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(weights=WEIGHTS, batch=st.integers(1, 8))
     def reweigh(self, weights: EvictionWeights, batch: int) -> None:
-        """A policy switch: new weights, the eviction order rescored a few page ids per call."""
-        for driver in (self.real, self.ref):
-            self.loop.run_until_complete(driver.index.reweigh(weights, batch))
+        """A policy switch: new weights, the eviction order rescored a few page ids per call
+        (both must count the same calls)."""
+        self.faces(lambda index: index.reweigh(weights, batch))
+
+    @rule(doc=st.integers(0, 2), length=st.integers(1, 70), branch=st.none() | st.integers(0, 69),
+          variant=st.integers(0, 1))
+    def probe(self, doc, length, branch, variant) -> None:
+        """What a router would be told of a prompt now: the same on both, and nothing changes."""
+        hashes = chain_hashes(prompt(doc, length, branch, variant), ROOT,
+                              self.config.cache.hash_block_tokens)
+        self.faces(lambda index: index.probe(length, hashes))
 
     @rule(data=st.data())
     def continue_uncommitted_is_refused(self, data) -> None:
@@ -243,10 +242,24 @@ class IndexMachine(RuleBasedStateMachine):
         assert state.req == {} and state.reqh == {}
         assert state.tix == {}, "a ticket outlived every request it spoke for"
 
-    @rule()
-    def invalidate(self) -> None:
+    @rule(elsewhere=st.booleans(), seen=st.none() | st.sampled_from([0, -1]))
+    def invalidate(self, elsewhere: bool, seen: int | None) -> None:
+        """The pool's bytes are lost. `elsewhere`: another replica's face invalidates it, so the
+        faces under test hold a voided epoch; `seen`: only if the pool is still in the epoch the
+        face under test saw (-1: one already gone, which must change nothing)."""
+        seen_epoch = None if seen is None else self.real.index.epoch + seen
+        if elsewhere:
+            faces = [PrefixIndex(self.redis, "m", self.config),
+                     ReferenceIndex(self.config, pool_id="m", pool=self.ref.index.pool)]
+        else:
+            faces = [self.real.index, self.ref.index]
+        before = self.ref.index.s.epoch
+        bumps = seen_epoch is None or seen_epoch == before
+        epochs = [self.loop.run_until_complete(face.invalidate(seen_epoch)) for face in faces]
+        assert epochs == [before + bumps] * 2, f"epoch {before}, seen {seen_epoch}: {epochs}"
+        if not bumps:
+            return
         for driver in (self.real, self.ref):
-            self.loop.run_until_complete(driver.index.invalidate())
             driver.invalidated()
         self.status.clear()
         self.tickets.clear()
@@ -254,10 +267,13 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def redis_equals_reference_and_is_sane(self) -> None:
         state = self.loop.run_until_complete(read_pool(self.redis, self.real.index.keys))
-        expected = self.ref.index.model.s
-        for name in ("epoch", "tick", "ticket", "clock", "fresh", "free", "ep", "ck", "lru", "reqh", "tix",
-                     "pages", "req"):
+        expected = self.ref.index.s
+        for name in ("epoch", "tick", "ticket", "clock", "fresh", "free", "ep", "ck", "lru", "reqh",
+                     "tix", "pages", "req", "durable_cks"):
             assert getattr(state, name) == getattr(expected, name), f"{name} differs"
+        assert self.real.index.epoch == self.ref.index.epoch, "the faces saw different epochs"
+        stats = self.faces(lambda index: index.stats())
+        assert stats == recount(state, self.config.cache.num_pages), "stats() != the records"
         sanity_check(state, self.config.cache.num_pages, self.config.cache.blocks_per_page)
 
 

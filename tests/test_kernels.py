@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import head_reshard, page_copy
+from kernels import page_copy
 from kernels._launch import LazyJit, _buffers, block_rule, buffer, word_width
-from kernels.head_reshard_ref import head_reshard_ref
 from kernels.page_copy_ref import CHUNK_BYTES, LOOP_MIN_BYTES, page_copy_naive, page_copy_ref
 
 
@@ -229,76 +228,16 @@ def test_block_rule(max_bytes: int, width: int, expected: tuple[int, int]) -> No
     assert block_rule(max_bytes, width) == expected
 
 
-# head_reshard on small pages: 6 heads of 24 bytes (fp32 2x3 or bf16 3x4), i.e. odd word widths
-HEAD_CASES = {
-    # name: (src_heads, dst_heads, heads moved or None for the overlap)
-    "overlap-at-start": (range(6), range(3), None),
-    "overlap-in-middle": (range(6), range(2, 4), None),
-    "uneven-overlap": (range(3, 6), range(2, 5), None),
-    "explicit-subset": (range(6), range(6), range(1, 4)),
-    "gather-to-staging": (range(6), range(4, 6), None),
-    "disjoint-is-noop": (range(3), range(3, 6), None),
-}
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(HEAD_CASES))
-def test_head_reshard_matches_reference(target: Target, case: str, dtype: torch.dtype) -> None:
-    src_heads, dst_heads, heads = HEAD_CASES[case]
-    hb = 24
-    src = filled((3, 5, 6 * hb + 8), dtype, seed=5).to(target.device)
-    dst = filled((3, 4, len(dst_heads) * hb), dtype, seed=6).to(target.device)
-    pages = [(4, 0), (1, 3), (2, 2)]
-    expected = dst.cpu().clone()
-    moved = heads or range(max(src_heads.start, dst_heads.start), min(src_heads.stop, dst_heads.stop))
-    for s, d in pages:
-        for h in moved:
-            so, do = (h - src_heads.start) * hb, (h - dst_heads.start) * hb
-            expected[:, d, do:do + hb] = src.cpu()[:, s, so:so + hb]
-    backend = head_reshard(src, dst, pages, head_bytes=hb, src_heads=src_heads, dst_heads=dst_heads,
-                           heads=heads)
-    assert backend == target.backend
-    assert torch.equal(dst.cpu(), expected)
-
-
-def test_head_reshard_ref_copies_the_contiguous_head_range() -> None:
-    src = filled((2, 3, 96), torch.float32, seed=7)
-    dst = torch.zeros(2, 3, 64, dtype=torch.uint8)
-    head_reshard_ref(src, dst, torch.tensor([[2, 1]]), src_offset=32, dst_offset=16, nbytes=48)
-    assert torch.equal(dst[:, 1, 16:64], src[:, 2, 32:80])
-    assert not dst[:, 1, :16].any() and not dst[:, [0, 2]].any()
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(head_bytes=0, src_heads=range(4), dst_heads=range(4)), "head_bytes"),
-    (dict(head_bytes=16, src_heads=range(5), dst_heads=range(4)), "src_heads"),
-    (dict(head_bytes=16, src_heads=range(4), dst_heads=range(0, 4, 2)), "dst_heads"),
-    (dict(head_bytes=16, src_heads=range(2), dst_heads=range(4), heads=range(1, 3)),
-     "not held by both"),
-], ids=["zero-head-bytes", "src-heads-overflow-page", "strided-heads", "heads-outside-overlap"])
-def test_head_reshard_rejects_bad_ranges(kwargs: dict[str, Any], message: str) -> None:
-    src, dst = torch.zeros(2, 4, 64, dtype=torch.uint8), torch.zeros(2, 4, 64, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=message):
-        head_reshard(src, dst, [(0, 1)], **kwargs)
-
-
-def test_head_reshard_rejects_pages_out_of_range() -> None:
-    src, dst = torch.zeros(2, 4, 64, dtype=torch.uint8), torch.zeros(2, 2, 64, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="dst_page out of range"):
-        head_reshard(src, dst, [(0, 2)], head_bytes=16, src_heads=range(4), dst_heads=range(4))
-
-
-@pytest.mark.parametrize("kernel", ["page_copy", "head_reshard"])
-def test_kernel_compiles_for_hopper_without_a_gpu(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_page_copy_compiles_for_hopper_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter skips Triton's type checks and codegen: compile to sm_90 here (bundled ptxas)."""
-    import importlib
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kernels.page_copy import _KERNEL
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    fn = importlib.import_module(f"kernels.{kernel}")._KERNEL.kernel()
+    fn = _KERNEL.kernel()
     signature = {name: "*i64" if name.endswith("_ptr") else "i64" for name in fn.arg_names}
     signature["BLOCK"] = "constexpr"
     compiled = triton.compile(ASTSource(fn, signature, {"BLOCK": 2048}),

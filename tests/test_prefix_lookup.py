@@ -8,9 +8,8 @@ import pytest
 from index.errors import BadRequest, StaleEpoch
 from index.hashing import chain_hashes
 from index.snapshot import read_pool, sanity_check
-from tests.index_harness import ROOT, commit_item, new_request, only, small_config
-from tests.test_index_bad_input import dump
-from tests.test_index_flows import make, serve
+from tests.index_harness import ROOT, commit_item, make, new_request, only, serve, small_config
+from tests.redis_harness import dump
 
 CONFIG = small_config()
 BLOCK, PAGE = CONFIG.cache.hash_block_tokens, CONFIG.cache.page_tokens

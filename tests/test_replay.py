@@ -12,16 +12,17 @@ from redis.asyncio import Redis
 
 from cachetier.cli import main
 from cachetier.config import load_config
-from cachetier.replay.replayer import (RUNNERS, PromptHashes, ReplayContext, ReplayError,
-                                       budget_pages, parse_budget, replay_budget)
+from cachetier.replay.replayer import (PromptHashes, ReplayContext, ReplayError, budget_pages,
+                                       parse_budget)
 from cachetier.replay.report import format_size
+from cachetier.replay.runners import RUNNERS, replay_budget
 from cachetier.replay.traces import (AgenticSpec, TraceRequest, read_trace, synth_agentic,
                                      synth_tokens, write_trace)
 from index.hashing import chain_hashes
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 from tests import policy_model as pm
-from tests.test_replay_model import EXPECTED, HAND, TOTAL
+from tests.hand_trace import EXPECTED, HAND, TOTAL
 
 BASELINES = ("oracle", "seed", "branch", "ladder", "coupled", "full-6144")
 KIMI = load_config("kimi-k3")
@@ -165,8 +166,8 @@ def test_replay_table(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     (["--budget", "12XB"], "--budget: bad budget '12XB'"),
     (["--budget", "1MB"], "buys no page"),
     (["--sweep", "100GB,lots"], "--sweep: bad budget 'lots'"),
-    (["--policies", "seed,lru"], "--policies: policies must be distinct names"),
-    (["--policies", "seed,seed"], "--policies: policies must be distinct names"),
+    (["--policies", "seed,lru"], "--policies: unknown replay runner 'lru'; expected one of oracle"),
+    (["--policies", "seed,seed"], "--policies: replay runner 'seed' named twice"),
     (["--chunk", "0"], "--chunk: must be >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(tmp_path, capsys: pytest.CaptureFixture[str],

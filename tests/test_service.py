@@ -18,7 +18,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -26,60 +26,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachetier.client import CacheTierClient
-from cachetier.config import PRESETS, Config
 from cachetier.errors import ErrorCode, ErrorInfo, PeerClosed, RemoteError
 from cachetier.events.cache_events import AllBlocksCleared, BlockStored, EventSubscriber
 from cachetier.events.liveness import LivenessWatcher
 from cachetier.run.nodes import run_agent, run_service
 from cachetier.run.servers import MosquittoServer, RedisServer, parent_death_hook
 from cachetier.service.observer import ServiceObserver
-from cachetier.service.server import CacheTierService, ServiceSettings
+from cachetier.service.server import ServiceSettings
 from cachetier.wire.channel import exchange
 from cachetier.wire.framing import HEADER, Endpoint, FramedStream, encode_frame
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, CopyBatch, HealthReport, Hello,
                                      Register, Registered, Reply, error_frame, from_wire, ok_frame,
                                      parse_reply, parse_request)
 from gpu_pool import PagedPool
-from gpu_pool.agent import Agent, AgentSettings
+from gpu_pool.agent import AgentSettings
 from index.hashing import chain_hashes, split_hashes
+from index.lifecycle import RequestLifecycle
 from index.records import RequestPlan, StepPlan
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from tests.index_harness import ROOT, commit_item, new_request
-from tests.test_index_bad_input import dump
+from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, eventually, running_agent,
+                                   running_service)
+from tests.index_harness import ROOT, commit_item, new_request, only
+from tests.redis_harness import dump
 
-TOKEN = "test-token"
-TINY = PRESETS["tiny"]
-BLOCK = TINY.cache.hash_block_tokens
-PAGE = TINY.cache.page_tokens
 DOC = [11 + (7 * i) % 1000 for i in range(400)]
-T = TypeVar("T")
-
-
-@contextlib.asynccontextmanager
-async def running_service(redis_url: str, config: Config = TINY,
-                          observer: ServiceObserver | None = None,
-                          **overrides: Any) -> AsyncIterator[CacheTierService]:
-    settings = ServiceSettings(redis_url=redis_url, token=TOKEN, config=config, **overrides)
-    async with CacheTierService(settings, observer) as service:
-        yield service
-
-
-@contextlib.asynccontextmanager
-async def running_agent(*urls: str, pool: str = "p", **overrides: Any) -> AsyncIterator[Agent]:
-    agent = Agent(AgentSettings(urls, pool, TOKEN, reconnect_max_s=0.2, **overrides))
-    task = asyncio.create_task(agent.run())
-    try:
-        registered = asyncio.create_task(agent.registered.wait())
-        await asyncio.wait({task, registered}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-        registered.cancel()
-        if task.done():
-            task.result()  # the run ended: raise why
-        assert agent.registered.is_set(), "the agent did not register within 10 s"
-        yield agent
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 class ScriptedAgent:
@@ -146,14 +117,11 @@ class Worker:
 async def serve_prompt(tier: CacheTierClient, rid: str, tokens: list[int],
                        worker: Worker | None = None, pool: str = "p") -> RequestPlan:
     """A whole prompt in one step the way an engine runs it, then released."""
-    plan = await tier.plan(pool, [new_request(rid, tokens, len(tokens), BLOCK)])
-    assert isinstance(plan, StepPlan), plan
-    (step,) = plan.requests
-    if worker is not None:
-        worker.forward(step, tokens)
-    done = await tier.commit(pool, [commit_item(step, step.stop, True, True, BLOCK)])
-    await tier.confirm(pool, done.ticket)
-    await tier.release(pool, [rid])
+    async with RequestLifecycle(tier.pool(pool)) as steps:
+        step = only(await steps.plan([new_request(rid, tokens, len(tokens), BLOCK)]))
+        if worker is not None:
+            worker.forward(step, tokens)
+        await steps.finish([commit_item(step, step.stop, True, True, BLOCK)])
     return step
 
 
@@ -162,32 +130,6 @@ async def assert_no_pins(redis, pool: str = "p") -> None:
     sanity_check(state, TINY.cache.num_pages, TINY.cache.blocks_per_page)
     assert state.req == {} and state.tix == {}
     assert all(rec.get("ref", 0) == 0 for rec in state.pages.values())
-
-
-async def eventually(probe: Callable[[], Awaitable[T]], done: Callable[[T], bool]) -> T:
-    """The first result of `probe` that is `done`, polled for up to 5 s."""
-    async with asyncio.timeout(5):
-        while not done(value := await probe()):
-            await asyncio.sleep(0.01)
-    return value
-
-
-@pytest.fixture
-async def service(redis, redis_url) -> AsyncIterator[CacheTierService]:
-    async with running_service(redis_url) as service:
-        yield service
-
-
-@pytest.fixture
-async def agent(service) -> AsyncIterator[Agent]:
-    async with running_agent(service.url) as agent:
-        yield agent
-
-
-@pytest.fixture
-async def tier(service) -> AsyncIterator[CacheTierClient]:
-    async with CacheTierClient(service.url, token=TOKEN, timeout=10) as client:
-        yield client
 
 
 @pytest.fixture

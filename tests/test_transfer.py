@@ -30,8 +30,8 @@ from gpu_pool import PageKind, PageLayout, PagedPool
 from gpu_pool.streams import PageMove, Stream, plan_fetch
 from gpu_pool.transfer import (STREAM_HEADER, BadStreamHeader, PageServer, StreamsAccepted, fetch,
                                pull)
-from tests.test_resharding import (CACHE, DST_PAGES, EIGHT_HEADS, NINETY_SIX_HEADS, SRC_PAGES,
-                                   full_states, rank_pools, shard)
+from tests.tp_cases import (CACHE, DST_PAGES, EIGHT_HEADS, NINETY_SIX_HEADS, SRC_PAGES, full_states,
+                            rank_pools, shard)
 
 TOKEN = "peer-token"
 MLA_SRC = [1, 2, 4]
@@ -47,6 +47,10 @@ RESHARDS = [
     pytest.param(NINETY_SIX_HEADS, 1, 3, id="96heads-1->3"),
     pytest.param(NINETY_SIX_HEADS, 3, 2, id="96heads-3->2"),
     pytest.param(NINETY_SIX_HEADS, 2, 3, id="96heads-2->3"),
+    pytest.param(dataclasses.replace(EIGHT_HEADS, kda_state_dtype="bfloat16"), 2, 4,
+                 id="bf16-2->4"),
+    pytest.param(dataclasses.replace(NINETY_SIX_HEADS, kda_state_dtype="bfloat16"), 3, 2,
+                 id="96heads-bf16-3->2"),
 ]
 
 

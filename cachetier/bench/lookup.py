@@ -30,6 +30,7 @@ from redis.commands.core import AsyncScript
 from cachetier.config import Config, ConfigError, add_config_arguments, config_from_args
 from cachetier.run.servers import RedisServer
 from index.hashing import chain_hashes, hash_len, namespace_root
+from index.lifecycle import RequestLifecycle
 from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
 from index.store import PrefixIndex
 
@@ -163,6 +164,12 @@ def expect_plan(result: StepPlan | StepRefusal, hit: int, what: str) -> StepPlan
     return result
 
 
+def confirming(index: PrefixIndex) -> RequestLifecycle:
+    """The engine's flow on a pool without agents: a plan has no copies to wait for, so it is
+    confirmed as soon as it is made (as the service would once its agents acked)."""
+    return RequestLifecycle(index, settle=lambda plan: index.confirm(plan.ticket))
+
+
 async def serve_first_turns(index: PrefixIndex, blobs: Sequence[bytes], tokens: int) -> None:
     """The first turn of every conversation, as an engine serves it: one prefill chunk, confirm,
     commit with a durable turn-end checkpoint at its last token, confirm, release.
@@ -173,14 +180,13 @@ async def serve_first_turns(index: PrefixIndex, blobs: Sequence[bytes], tokens: 
         rids = [f"c{n}.turn1" for n in range(first, min(first + SETUP_BATCH, len(blobs)))]
         requests = [StepRequest(rid, tokens, tokens, prefix_hashes(blobs[n], tokens, index.config))
                     for n, rid in enumerate(rids, first)]
-        plan = expect_plan(await index.plan_step(requests), 0, "first turn")
-        await index.confirm(plan.ticket)
-        commit = await index.commit([CommitItem(rid, tokens, tokens, durable=True) for rid in rids])
-        unregistered = [r.rid for r in commit.requests if r.checkpoint != "registered"]
-        if unregistered:
-            raise RuntimeError(f"first turn: no checkpoint registered for {unregistered[:4]}")
-        await index.confirm(commit.ticket)
-        await index.release(rids)
+        async with confirming(index) as steps:
+            expect_plan(await steps.plan(requests), 0, "first turn")
+            commit = await steps.finish([CommitItem(rid, tokens, tokens, durable=True)
+                                         for rid in rids])
+            unregistered = [r.rid for r in commit.requests if r.checkpoint != "registered"]
+            if unregistered:
+                raise RuntimeError(f"first turn: no checkpoint registered for {unregistered[:4]}")
 
 
 @dataclass

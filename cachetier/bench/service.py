@@ -44,13 +44,14 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from cachetier.bench.lookup import (Case, add_case_arguments, build_cases, conversation_tokens,
-                                    expect_plan, prefix_hashes, redis_url)
+from cachetier.bench.lookup import (Case, add_case_arguments, build_cases, confirming,
+                                    conversation_tokens, expect_plan, prefix_hashes, redis_url)
 from cachetier.client import CacheTierClient
 from cachetier.config import Config, ConfigError, config_from_args, load_config
 from cachetier.service.server import CacheTierService, ServiceSettings
 from gpu_pool.agent import Agent, AgentSettings
 from index.hashing import chain_hashes, namespace_root
+from index.lifecycle import RequestLifecycle
 from index.records import CommitItem, StepPlan, StepRequest
 from index.store import PrefixIndex
 
@@ -179,14 +180,13 @@ async def serve_first_turns(tier: CacheTierClient, pool: str, rids: Sequence[str
         chunk = range(first, min(first + SETUP_BATCH, len(rids)))
         requests = [StepRequest(rids[n], tokens, tokens, prefix_hashes(blobs[n], tokens, config))
                     for n in chunk]
-        plan = expect_plan(await tier.plan(pool, requests), 0, "first turn")
-        done = await tier.commit(pool, [CommitItem(r.rid, tokens, tokens, durable=True)
-                                        for r in plan.requests])
-        unregistered = [r.rid for r in done.requests if r.checkpoint != "registered"]
-        if unregistered:
-            raise RuntimeError(f"first turn: no checkpoint registered for {unregistered[:4]}")
-        await tier.confirm(pool, done.ticket)
-        await tier.release(pool, [rids[n] for n in chunk])
+        async with RequestLifecycle(tier.pool(pool)) as steps:
+            plan = expect_plan(await steps.plan(requests), 0, "first turn")
+            done = await steps.finish([CommitItem(r.rid, tokens, tokens, durable=True)
+                                       for r in plan.requests])
+            unregistered = [r.rid for r in done.requests if r.checkpoint != "registered"]
+            if unregistered:
+                raise RuntimeError(f"first turn: no checkpoint registered for {unregistered[:4]}")
 
 
 def next_turns(blobs: Sequence[bytes], tokens: int, step: int, tag: str) -> list[StepRequest]:
@@ -211,7 +211,7 @@ async def measure(tier: CacheTierClient, index: PrefixIndex, rtt: Any, pool: str
                   layer_slots: int, agents: Sequence[TimedAgent]) -> dict[str, Any]:
     hit = case.tokens - step_tokens
     requests = next_turns(blobs[:case.batch], case.tokens, step_tokens, "next")
-    rids = [r.rid for r in requests]
+    through_service = tier.pool(pool)
     samples = Samples()
     copies = (0, 0)
 
@@ -221,24 +221,22 @@ async def measure(tier: CacheTierClient, index: PrefixIndex, rtt: Any, pool: str
         nonlocal copies, copy_ns
         for agent in agents:
             agent.copy_ns.clear()
-        start = time.perf_counter_ns()
-        result = await tier.plan(pool, requests)
-        elapsed = time.perf_counter_ns() - start
-        copy_ns = max(sum(agent.copy_ns) for agent in agents)  # the ranks copy side by side
-        plan = expect_plan(result, hit, "service step")
-        copies = copy_stats(plan)
-        if not copies[0]:
-            raise RuntimeError("the step restored nothing: no copies to run")
-        await tier.release(pool, rids)
+        async with RequestLifecycle(through_service) as steps:  # the service copies, confirms
+            start = time.perf_counter_ns()
+            result = await steps.plan(requests)
+            elapsed = time.perf_counter_ns() - start
+            copy_ns = max(sum(agent.copy_ns) for agent in agents)  # the ranks copy side by side
+            plan = expect_plan(result, hit, "service step")
+            copies = copy_stats(plan)
+            if not copies[0]:
+                raise RuntimeError("the step restored nothing: no copies to run")
         return elapsed
 
     async def direct_step() -> int:
-        start = time.perf_counter_ns()
-        result = await index.plan_step(requests)
-        plan = expect_plan(result, hit, "direct step")
-        await index.confirm(plan.ticket)
-        elapsed = time.perf_counter_ns() - start
-        await index.release(rids)
+        async with confirming(index) as steps:  # what the service does, minus the copies
+            start = time.perf_counter_ns()
+            expect_plan(await steps.plan(requests), hit, "direct step")
+            elapsed = time.perf_counter_ns() - start
         return elapsed
 
     gc.disable()
@@ -291,11 +289,12 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
         async def loop(n: int) -> None:
             request = next_turns([blobs[n]], tokens, step_tokens, f"tp{n}")[0]
             request = dataclasses.replace(request, rid=f"c{tokens}.{n}.tp")
+            through_service = tiers[n].pool(pool)
             await start_gate.wait()
             while time.perf_counter() < deadline:
                 begin = time.perf_counter_ns()
-                expect_plan(await tiers[n].plan(pool, [request]), hit, "throughput step")
-                await tiers[n].release(pool, [request.rid])
+                async with RequestLifecycle(through_service) as steps:
+                    expect_plan(await steps.plan([request]), hit, "throughput step")
                 latencies.append(time.perf_counter_ns() - begin)
                 counts[n] += 1
 

@@ -2,10 +2,11 @@
 
 A checkpoint is the only way back into a prefix for a hybrid model, but it is expensive (one
 kimi-k3 checkpoint weighs as much as ~8,000 tokens of MLA cache), so where they land decides the
-hit ratio. Every policy here follows the seed: after each forward pass the state at the last
-hash-block boundary it processed is persisted to fresh pages, the previous one of the same request
-is recycled (intermediate), and the ones at turn ends are kept. The switches add kept checkpoints
-where the seed leaves a reusable prefix unrestorable, or keep fewer where bytes are scarce:
+hit ratio. Every checkpoint placement here follows the seed: after each forward pass the state at
+the last hash-block boundary it processed is persisted to fresh pages, the previous one of the same
+request is recycled (intermediate), and the ones at turn ends are kept. The switches add kept
+checkpoints where the seed leaves a reusable prefix unrestorable, or keep fewer where bytes are
+scarce:
 
 - `branch_points`: a request whose MLA match reaches beyond its deepest checkpoint (a prompt that
   branches off a cached conversation after the last checkpoint) ends a forward pass exactly at the
@@ -21,8 +22,8 @@ where the seed leaves a reusable prefix unrestorable, or keep fewer where bytes 
 
 Each kept checkpoint is committed with its class (`CommitItem.kind`: branch, rung, spec, turn,
 in that precedence when one boundary is several), which the pool's eviction weights value. The
-engine (`cachetier.engine.scheduler`) and the replay benchmark use the same object, so the benchmark
-measures the policy the engine runs.
+engine (`cachetier.engine.scheduler`) and the replay runners (`cachetier.replay.replayer`) use the
+same object, so the replay measures the placement the engine runs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from index.records import CheckpointKind, CommitItem, RequestPlan, StepRequest
 
 @dataclass(frozen=True)
 class CheckpointPlacement:
+    """The seed's rule plus the switches above. `name` is what `cachetier demo --policy` takes,
+    and the name of the replay runner that runs this placement on the preset's pool."""
+
     name: str
     branch_points: bool = False
     page_ladder: bool = False
@@ -62,8 +66,8 @@ class CheckpointPlacement:
     def commit_item(self, plan: RequestPlan, prompt_tokens: int, block_tokens: int,
                     page_tokens: int) -> CommitItem:
         """What the forward pass of `plan` persisted: the checkpoint the plan gave pages for (the
-        last hash-block boundary of the pass), with its class; none when the policy does not keep
-        a checkpoint there after all (a long prompt's turn end with `short_turn_ends`)."""
+        last hash-block boundary of the pass), with its class; none when the placement does not
+        keep a checkpoint there after all (a long prompt's turn end with `short_turn_ends`)."""
         kind = self.checkpoint_kind(plan, prompt_tokens, block_tokens, page_tokens)
         if kind is None:
             return CommitItem(plan.rid, plan.stop)
@@ -93,4 +97,4 @@ class CheckpointPlacement:
 SEED = CheckpointPlacement("seed")
 BRANCH = CheckpointPlacement("branch", branch_points=True)
 LADDER = CheckpointPlacement("ladder", branch_points=True, page_ladder=True)
-PLACEMENTS = {policy.name: policy for policy in (SEED, BRANCH, LADDER)}
+PLACEMENTS = {placement.name: placement for placement in (SEED, BRANCH, LADDER)}

@@ -6,7 +6,9 @@ request's chunk from where its plan starts, reading and writing only pool pages,
 the pass produced (MLA endpoints, the checkpoint of the `CheckpointPlacement`) and confirms it. A
 request's first step starts at its cache hit; later steps continue its chunked prefill. A
 session's next turn is sent once its previous turn is done, after its think time, so sessions
-interleave within steps and later turns hit what earlier ones left.
+interleave within steps and later turns hit what earlier ones left. The steps go through
+`index.lifecycle.RequestLifecycle` over the pool's `TierPool`, so a run that fails (a refused
+single request, a forward pass that raises) releases every request it had in flight.
 
 With `verify`, every finished request's outputs (those it computed, from the hit on) are compared
 with a cold recompute of the same tokens: the oracle that says the cache served exactly the state
@@ -29,6 +31,7 @@ from cachetier.engine.checkpoint_placement import CheckpointPlacement
 from cachetier.engine.sessions import Session
 from gpu_pool.pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
+from index.lifecycle import RequestLifecycle
 from index.records import CommitItem, RequestPlan, StepPlan, StepRefusal, StepRequest
 from tinymodel import ChunkRequest, TinyHybrid, outputs_match
 
@@ -107,24 +110,26 @@ class PrefillScheduler:
                           for n, s in enumerate(sessions))
         active: list[_InFlight] = []
         results: list[RequestResult] = []
-        while arrivals or active:
-            while arrivals and arrivals[0].step <= self.step_count and len(active) < self.max_batch:
-                a = arrivals.pop(0)
-                active.append(self._start(a.session, a.turn))
-            if not active:
-                self.step_count = arrivals[0].step
-                continue
-            for request in await self._step(active):
-                active.remove(request)
-                result = self._finish(request)
-                results.append(result)
-                self.on_result(result)
-                nxt = request.turn + 1
-                if nxt < len(request.session.prompts):
-                    wait = request.session.think_steps[nxt]
-                    arrivals.append(_Arrival(self.step_count + wait, next(order), request.session,
-                                             nxt))
-                    arrivals.sort()
+        async with RequestLifecycle(self.tier.pool(self.pool_id)) as steps:
+            while arrivals or active:
+                while (arrivals and arrivals[0].step <= self.step_count
+                       and len(active) < self.max_batch):
+                    a = arrivals.pop(0)
+                    active.append(self._start(a.session, a.turn))
+                if not active:
+                    self.step_count = arrivals[0].step
+                    continue
+                for request in await self._step(steps, active):
+                    active.remove(request)
+                    result = self._finish(request)
+                    results.append(result)
+                    self.on_result(result)
+                    nxt = request.turn + 1
+                    if nxt < len(request.session.prompts):
+                        wait = request.session.think_steps[nxt]
+                        arrivals.append(_Arrival(self.step_count + wait, next(order),
+                                                 request.session, nxt))
+                        arrivals.sort()
         return results
 
     def _start(self, session: Session, turn: int) -> _InFlight:
@@ -132,12 +137,12 @@ class PrefillScheduler:
         rid = f"{session.name}-t{turn}-{self._serial}"
         return _InFlight(rid, session, turn, np.asarray(session.prompts[turn], dtype=np.uint32))
 
-    async def _step(self, active: list[_InFlight]) -> list[_InFlight]:
+    async def _step(self, steps: RequestLifecycle, active: list[_InFlight]) -> list[_InFlight]:
         """One scheduling step; returns the requests it finished. A refused step is retried with
         the requests not yet started left out (they wait for pages to come back)."""
         batch = list(active)
         while True:
-            plan = await self.tier.plan(self.pool_id, [self._step_request(r) for r in batch])
+            plan = await steps.plan([self._step_request(r) for r in batch])
             if isinstance(plan, StepPlan):
                 break
             waiting = [r for r in batch if r.hit < 0]
@@ -152,11 +157,10 @@ class PrefillScheduler:
         outputs = self.model.forward(self.ranks, [ChunkRequest.from_plan(p, r.tokens)
                                                  for r, p in planned])
         items = [self._advance(r, p, out) for (r, p), out in zip(planned, outputs)]
-        committed = await self.tier.commit(self.pool_id, items)
-        await self.tier.confirm(self.pool_id, committed.ticket)
+        await steps.finish(items)
         finished = [r for r in batch if r.done]
         if finished:
-            await self.tier.release(self.pool_id, [r.rid for r in finished])
+            await steps.release([r.rid for r in finished])
         return finished
 
     def _step_request(self, r: _InFlight) -> StepRequest:

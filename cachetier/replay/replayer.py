@@ -1,6 +1,6 @@
-"""`cachetier replay`: a request trace served through the real index, one pool per policy.
+"""`cachetier replay`: a request trace served through the real index, one pool per replay runner.
 
-`policy_model` restates the index's rules to pin the policies' conventions down; this module
+`policy_model` restates the index's rules to pin the runners' conventions down; this module
 measures the index itself (Redis, the production Lua scripts, `PrefixIndex`), so the figures it
 reports are those of the code that runs, and the tests compare the two.
 
@@ -13,34 +13,32 @@ confirmed) and confirmation is cumulative per request, so the commit's confirm s
 Requests are served one after the other in timestamp order (stable), each one's registrations
 visible to the next: the convention that reproduces the issue's figures (see `policy_model`).
 
-Policies are configurations of the real code (`RUNNERS`); each gets a pool of its own in the same
-Redis. Capacity is a budget in bytes of the preset, counted in unified page ids (padding included):
-`num_pages = budget // page_id_bytes`. Unlimited is a page count nothing can exhaust: the free
-list is lazy (ids >= `fresh` are never materialised), so it costs nothing.
+Replay runners are configurations of the real code (`runners.RUNNERS`, which also drives them): a
+pool configuration, an eviction policy and a `CheckpointPlacement`, or the adaptive runner; each
+gets a pool of its own in the same Redis. Capacity is a budget in bytes of the preset, counted in
+unified page ids (padding included): `num_pages = budget // page_id_bytes`. Unlimited is a page
+count nothing can exhaust: the free list is lazy (ids >= `fresh` are never materialised), so it
+costs nothing.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Protocol
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 
 from cachetier.config import Config, ConfigError
-from cachetier.engine.checkpoint_placement import BRANCH, LADDER, SEED, CheckpointPlacement
+from cachetier.engine.checkpoint_placement import CheckpointPlacement
 from cachetier.replay.traces import BLOCK_TOKENS, TraceRequest, block_tokens_for
-from cachetier.run.progress import ProgressBar
-from cachetier.run.servers import RedisServer
 from eviction.policy import EvictionWeights, lru
 from index.hashing import HashAlgo, chain_hashes, hash_len, namespace_root
+from index.lifecycle import RequestLifecycle
 from index.records import StepPlan, StepRefusal
-from index.store import KEY_NAMES, PrefixIndex, pool_keys
+from index.store import PrefixIndex
 
 UNLIMITED_PAGES = 2**40  # never reached: 2**40 page ids of kimi-k3 would be 179 EB
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
@@ -48,7 +46,8 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10*
 
 
 class ReplayError(RuntimeError):
-    """The replay cannot run as asked (a policy that is not available, a budget too small)."""
+    """The replay cannot run as asked (a replay runner that is not available, a budget too
+    small)."""
 
 
 def parse_budget(text: str) -> int | None:
@@ -167,18 +166,18 @@ class PromptHashes:
 # -- runners ---------------------------------------------------------------------------------------
 
 class PolicyRunner(Protocol):
-    """One policy's cache, asked to serve the trace's requests one at a time."""
+    """One replay runner's cache, asked to serve the trace's requests one at a time."""
 
     name: str
 
     async def setup(self, redis: Redis) -> None:
-        """Create the policy's pool(s) on `redis`."""
+        """Create the runner's pool(s) on `redis`."""
 
     async def serve(self, request: TraceRequest) -> ServedRequest:
         """Serve one request, all its steps, and release it."""
 
     async def counters(self) -> PolicyCounters:
-        """What the policy's pool(s) hold and did, once the trace is served."""
+        """What the runner's pool(s) hold and did, once the trace is served."""
 
 
 class PoolRunner:
@@ -213,36 +212,33 @@ class PoolRunner:
         rid = f"r{next(self._serial)}"
         length, block = request.input_length, self.config.cache.hash_block_tokens
         hashes = self.prompts.hashes(request, block)
-        plan = await self.index.plan_step(
-            [self.policy.first_step(rid, self.chunk_tokens, length, hashes)])
-        if isinstance(plan, StepRefusal):  # nothing was planned: served without the cache
-            return ServedRequest(length, 0, 0, 0, refused=True)
-        first = plan.requests[0]
         steps = 0
-        try:
+        async with RequestLifecycle(self.index) as lifecycle:  # no agent: nothing to settle
+            plan = await lifecycle.plan(
+                [self.policy.first_step(rid, self.chunk_tokens, length, hashes)])
+            if isinstance(plan, StepRefusal):  # nothing was planned: served without the cache
+                return ServedRequest(length, 0, 0, 0, refused=True)
+            first = plan.requests[0]
             while isinstance(plan, StepPlan):
                 self._evictions += plan.evicted
                 step = plan.requests[0]
                 item = self.policy.commit_item(step, length, block, self.config.cache.page_tokens)
-                committed = await self.index.commit([item])
+                committed = await lifecycle.finish([item])
                 self._written += committed.requests[0].checkpoint == "registered"
-                await self.index.confirm(committed.ticket)
                 steps += 1
                 if step.stop == length:
                     break
-                plan = await self.index.plan_step([self.policy.next_step(rid, self.chunk_tokens)])
+                plan = await lifecycle.plan([self.policy.next_step(rid, self.chunk_tokens)])
             refused = isinstance(plan, StepRefusal)
-        finally:
-            await self.index.release([rid])
         return ServedRequest(length, first.hit_tokens, first.match_tokens, steps, refused)
 
     async def counters(self) -> PolicyCounters:
-        alive = await self.index.redis.hlen(pool_keys(self.index.pool_id)[KEY_NAMES.index("ck")])
+        alive = (await self.index.stats()).checkpoints
         pooled = self.config.model.kda_groups * self.config.geometry.page_id_bytes
         return PolicyCounters(self._written, alive, alive * pooled, self._evictions)
 
 
-# -- policies --------------------------------------------------------------------------------------
+# -- replay runners --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ReplayContext:
@@ -278,96 +274,3 @@ def coupled(config: Config) -> Config:
 def unlimited(config: Config) -> Config:
     return dataclasses.replace(config, cache=dataclasses.replace(config.cache,
                                                                  num_pages=UNLIMITED_PAGES))
-
-
-def _adaptive(ctx: ReplayContext) -> PolicyRunner:
-    try:
-        from cachetier.replay.adaptive import AdaptiveRunner
-    except ModuleNotFoundError as exc:
-        if exc.name != "cachetier.replay.adaptive":
-            raise
-        raise ReplayError("policy adaptive is not available: cachetier/replay/adaptive.py is "
-                          "missing (run the others with --policies)") from None
-    return AdaptiveRunner.for_replay(ctx)
-
-
-# A full-attention pool plans no checkpoint, so its CheckpointPlacement only ends steps at chunks.
-RUNNERS: dict[str, Callable[[ReplayContext], PolicyRunner]] = {
-    # the upper bound, unlimited at every budget by definition
-    "oracle": lambda ctx: ctx.pool("oracle", unlimited(full_attention(ctx.config)), SEED),
-    "seed": lambda ctx: ctx.pool("seed", ctx.config, SEED),
-    "branch": lambda ctx: ctx.pool("branch", ctx.config, BRANCH),
-    "ladder": lambda ctx: ctx.pool("ladder", ctx.config, LADDER),
-    "coupled": lambda ctx: ctx.pool("coupled", coupled(ctx.config), SEED),
-    "full-6144": lambda ctx: ctx.pool("full-6144", coupled(full_attention(ctx.config)), SEED),
-    "adaptive": _adaptive,
-}
-RUNNER_NAMES = tuple(RUNNERS)
-
-
-# -- the driver ------------------------------------------------------------------------------------
-
-def check_runners(names: Sequence[str]) -> None:
-    unknown = [n for n in names if n not in RUNNERS]
-    if unknown or not names or len(set(names)) != len(names):
-        raise ValueError(f"policies must be distinct names among {', '.join(RUNNER_NAMES)}; "
-                         f"got {', '.join(names) or 'none'}")
-
-
-async def replay_budget(redis: Redis, requests: Sequence[TraceRequest], config: Config,
-                        budget_bytes: int | None, policies: Sequence[str], chunk_tokens: int,
-                        prompts: PromptHashes | None = None, pool_prefix: str = "replay",
-                        progress: ProgressBar | None = None) -> BudgetResult:
-    """Every policy replays the requests on its own pool, all concurrently: Redis runs one
-    policy's script while Python prepares another's call."""
-    check_runners(policies)
-    pages = budget_pages(budget_bytes, config)
-    sized = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_pages=pages))
-    prompts = prompts or PromptHashes(config.model.name, config.cache.hash_algo)
-    ctx = ReplayContext(redis, sized, chunk_tokens, prompts, pool_prefix)
-    runners = [RUNNERS[name](ctx) for name in policies]
-    for runner in runners:
-        await runner.setup(redis)
-    ordered = sorted(requests, key=lambda r: r.timestamp)
-    started = time.monotonic()
-    results = await asyncio.gather(*(_drive(r, ordered, progress) for r in runners))
-    limited = None if budget_bytes is None else pages
-    return BudgetResult(budget_bytes, {
-        runner.name: PolicyResult(runner.name, served, counters,
-                                  None if runner.name == "oracle" else limited, wall_s)
-        for runner, (served, counters, wall_s) in zip(runners, results)},
-        time.monotonic() - started)
-
-
-async def _drive(runner: PolicyRunner, requests: Sequence[TraceRequest],
-                 progress: ProgressBar | None) -> tuple[list[ServedRequest], PolicyCounters, float]:
-    started = time.monotonic()
-    served = []
-    for request in requests:
-        served.append(await runner.serve(request))
-        if progress is not None:
-            progress.advance()
-    return served, await runner.counters(), time.monotonic() - started
-
-
-async def replay_trace(requests: Sequence[TraceRequest], config: Config,
-                       budgets: Sequence[int | None], policies: Sequence[str],
-                       chunk_tokens: int, show_progress: bool = True) -> list[BudgetResult]:
-    """Each budget on fresh pools of a project-started redis-server, one after the other."""
-    check_runners(policies)
-    prompts = PromptHashes(config.model.name, config.cache.hash_algo)
-    out = []
-    async with RedisServer() as server:
-        pool = BlockingConnectionPool.from_url(server.url, max_connections=64, timeout=30)
-        redis = Redis(connection_pool=pool)
-        try:
-            for n, budget in enumerate(budgets):
-                label = "unlimited" if budget is None else f"{budget / 1e9:g} GB"
-                bar = ProgressBar(len(requests) * len(policies), f"replay {label}",
-                                  enabled=show_progress)
-                out.append(await replay_budget(redis, requests, config, budget, policies,
-                                               chunk_tokens, prompts, f"replay{n}", bar))
-                await redis.flushall()  # the next budget starts cold
-        finally:
-            await redis.aclose(close_connection_pool=True)
-    return out

@@ -31,6 +31,7 @@ from gpu_pool.layout import PageKind
 from gpu_pool.streams import PageMove
 from index.errors import StaleEpoch
 from index.hashing import hash_len
+from index.lifecycle import RequestLifecycle
 from index.prefix import PinnedPrefix
 from index.records import CommitItem, RequestPlan, StepPlan, StepRequest
 from index.store import PrefixIndex
@@ -67,12 +68,14 @@ async def _receive(src: PoolSide, dst: PoolSide, pinned: PinnedPrefix, hashes: b
     hit = pinned.hit_tokens
     cache = dst.config.cache
     prefix = hashes[:hit // cache.hash_block_tokens * hash_len(cache.hash_algo)]
-    outcome = await dst.index.plan_step([StepRequest(rid, hit + 1, hit + 1, prefix, True)])
-    if not isinstance(outcome, StepPlan):
-        raise CodedError(ErrorInfo(ErrorCode.CONFLICT, f"destination pool full: "
-                                   f"{outcome.reason}", True))
-    (plan,) = outcome.requests
-    try:
+    # The plan's own copies are not a settle hook: a destination that holds the prefix already
+    # runs none of them. Leaving the block releases the request, its pages going to the cache.
+    async with RequestLifecycle(dst.index) as steps:
+        outcome = await steps.plan([StepRequest(rid, hit + 1, hit + 1, prefix, True)])
+        if not isinstance(outcome, StepPlan):
+            raise CodedError(ErrorInfo(ErrorCode.CONFLICT, f"destination pool full: "
+                                       f"{outcome.reason}", True))
+        (plan,) = outcome.requests
         if plan.start >= hit:
             return HandoffReply(hit, 0, plan.start)
         await _run_plan_copies(dst, outcome, timeout)
@@ -82,13 +85,9 @@ async def _receive(src: PoolSide, dst: PoolSide, pinned: PinnedPrefix, hashes: b
         await _fetch(dst.links, fetch, timeout)
         src.guard.check()  # the source kept its epoch: the pages read were the pinned ones
         checkpoint = hit if plan.checkpoint_pages else 0
-        done = await dst.index.commit([CommitItem(rid, hit, checkpoint, True)])
-        await dst.index.confirm(done.ticket)
+        await steps.finish([CommitItem(rid, hit, checkpoint, True)])
         dst.guard.check()
         return HandoffReply(hit, hit - plan.start, hit)
-    finally:
-        with contextlib.suppress(StaleEpoch):
-            await dst.index.release([rid])
 
 
 async def _fetch(links: list[AgentLink], fetch: Fetch, timeout: float) -> None:

@@ -22,7 +22,7 @@ import hmac
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -45,8 +45,8 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
                                      request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
+from index.lifecycle import RequestLifecycle
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal
-from index.snapshot import read_pool
 from index.store import PrefixIndex
 
 logger = logging.getLogger("cachetier.service.server")
@@ -330,20 +330,24 @@ class CacheTierService:
         state = await self._known_pool(msg.pool)
         links = state.agents.ready_links()
         with state.agents.step() as guard:
-            plan_step = functools.partial(state.index.plan_step, msg.requests)
+            steps = RequestLifecycle(state.index,
+                                     functools.partial(self._carry_out, state, links, guard))
+            plan_step = functools.partial(steps.plan, msg.requests)
             if all(r.is_new for r in msg.requests):
                 outcome = await _retry_if_stale(plan_step)
             else:  # a continuing request belongs to the epoch it was planned in
                 outcome = await plan_step()
             if isinstance(outcome, StepRefusal):
                 return PlanReply(refusal=outcome)
-            await self._carry_out(state, links, guard, outcome)
         self.observer.step_planned(msg.pool, outcome)
         return PlanReply(plan=outcome)
 
     async def _carry_out(self, state: _Pool, links: list[AgentLink], guard: StepGuard,
                          plan: StepPlan) -> None:
-        """The copies on every rank, then the confirm; on any failure, `_abort`."""
+        """Settle a plan: the copies on every rank, then the confirm. On any failure the loss of
+        an agent is handled first (a slow one may still be copying: dropping it starts a new
+        epoch, so nothing is planned on pages it may yet write), then the lifecycle releases the
+        step's requests, so the failed step is answered in the new epoch, retryable."""
         try:
             guard.check()
             rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
@@ -353,19 +357,10 @@ class CacheTierService:
             guard.check()
         except BaseException as exc:
             # Not shielded: only `close()` cancels a step, once, and it waits for this.
-            await self._abort(state, links, plan, exc)
+            await self._lose_failed(state, links, exc)
             if isinstance(exc, Exception):
                 raise step_failed(exc) from exc
             raise
-
-    async def _abort(self, state: _Pool, links: list[AgentLink], plan: StepPlan,
-                     cause: BaseException) -> None:
-        """Give back the step's pins and pages. The loss of an agent is handled first (a slow
-        one may still be copying: dropping it starts a new epoch, so nothing is planned on pages
-        it may yet write), so the failed step is answered in the new epoch."""
-        await self._lose_failed(state, links, cause)
-        with contextlib.suppress(StaleEpoch):  # invalidated: the pins are void
-            await state.index.release([r.rid for r in plan.requests])
 
     async def _commit(self, msg: Commit) -> CommitResult:
         state = await self._known_pool(msg.pool)
@@ -385,15 +380,8 @@ class CacheTierService:
 
     async def _stats(self, msg: Stats) -> PoolStats:
         state = await self._known_pool(msg.pool)
-        pool = await read_pool(self.redis, state.index.keys)
-        num_pages = state.config.cache.num_pages
-        return PoolStats(pool=msg.pool, epoch=pool.epoch, num_pages=num_pages,
-                         free_pages=len(pool.free) + num_pages - pool.fresh,
-                         evictable_pages=pool.lru_page_count, requests=len(pool.req),
-                         pending_tickets=len(pool.tix), ranks=sorted(state.agents.links),
-                         checkpoints=len(pool.ck),
-                         durable_checkpoints=sum(pool.pages[lead]["dur"] == 1
-                                                 for lead in pool.ck.values()))
+        stats = await state.index.stats()
+        return PoolStats(pool=msg.pool, ranks=sorted(state.agents.links), **asdict(stats))
 
     async def _route(self, msg: Route) -> RouteReply:
         """Every pool's probe, concurrently; the longest usable prefix first."""

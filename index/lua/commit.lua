@@ -5,7 +5,7 @@
 -- ARGV[2] - msgpack list of {rid = str, stop = tokens now processed (start < stop <= planned stop),
 --           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
 --           (a multiple of the hash block inside (start, stop]) or 0,
---           kind = intermediate | turn | branch | rung | spec (the checkpoint's class)}
+--           kind = the checkpoint's class, one of COMMIT_KINDS (eviction.policy CheckpointKind)}
 -- returns msgpack {ticket, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
 --           `stored` is the chain of block hashes this commit processed (registered here or
 --           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
@@ -31,7 +31,6 @@ local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 if #batch == 0 then fail("BADINPUT", "empty commit") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 
-local COMMIT_KINDS = {intermediate = true, turn = true, branch = true, rung = true, spec = true}
 local reqs, seen = {}, {}
 for n, item in ipairs(batch) do
   if type(item) ~= "table" or type(item.rid) ~= "string" then fail("BADINPUT", "each commit needs a string rid") end
@@ -50,8 +49,8 @@ for n, item in ipairs(batch) do
     if c <= r.pos or c > item.stop then fail("BADINPUT", item.rid .. ": ckpt_tokens must lie in (" .. r.pos .. ", " .. item.stop .. "]") end
     if r.ck < 0 then fail("BADINPUT", item.rid .. ": no checkpoint pages were planned for this step") end
   end
-  if type(item.kind) ~= "string" or not COMMIT_KINDS[item.kind] then
-    fail("BADINPUT", item.rid .. ": kind must be one of intermediate, turn, branch, rung, spec")
+  if type(item.kind) ~= "string" or not IS_COMMIT_KIND[item.kind] then
+    fail("BADINPUT", item.rid .. ": kind must be one of " .. table.concat(COMMIT_KINDS, ", "))
   end
   reqs[n] = r
 end
@@ -75,7 +74,7 @@ local function attach(rid, lead, rec, slot, hash_at)
   end
   redis.call("HSET", K_RF, lead, 0)
   rec.par, rec.st, rec.depth, rec.eps, rec.cks, rec.fill = par, "pending", (slot + 1) * PB * B, {}, {}, 0
-  rec.cn, rec.cg = {0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0}
+  rec.cn, rec.cg = class_zeros(), class_zeros()
   return true
 end
 
@@ -123,6 +122,7 @@ local function register_checkpoint(rid, r, hash_at, blocks, kind, p)
   stamp(m, rec)
   save_lead(m, ck_lead, rec)
   redis.call("HSET", K_CK, h, ck_lead)
+  m.durable_cks = m.durable_cks + rec.dur
   local anchor = get_rec(e[1])
   anchor.cks[#anchor.cks + 1] = h
   local i = CLASS_INDEX[kind]

@@ -3,7 +3,7 @@
 -- KEYS   - the pool's keys, see lib.lua
 -- ARGV   - field, value pairs: num_pages, blocks_per_page, block_tokens, hash_len, kda_groups,
 --          mla_groups, mla_token_bytes, kda_state_bytes, max_batch and the eviction weights
---          (lib.lua WEIGHT_FIELDS: eviction.policy.EvictionWeights.as_pool_fields)
+--          (WEIGHT_FIELDS, generated from eviction.policy.EvictionWeights.as_pool_fields)
 -- returns the pool's epoch
 --
 -- Geometry is fixed for a pool's life: a caller with another geometry gets CT_CONFLICT rather
@@ -38,7 +38,18 @@ if redis.call("EXISTS", K_META) == 1 then
     end
   end
 else
-  redis.call("HSET", K_META, "epoch", 1, "fresh", 0, "tick", 0, "ticket", 0, "lru_pages", 0)
+  redis.call("HSET", K_META, "epoch", 1, "fresh", 0, "tick", 0, "ticket", 0, "lru_pages", 0,
+             "durable_cks", 0)
+end
+-- A pool stored before meta.durable_cks was kept: its durable checkpoints cannot be counted in
+-- bounded time, so if it has any it starts a new epoch (as when its agents restart).
+if redis.call("HEXISTS", K_META, "durable_cks") == 0 then
+  if redis.call("HLEN", K_CK) > 0 then
+    redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH)
+    redis.call("HINCRBY", K_META, "epoch", 1)
+    redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0)
+  end
+  redis.call("HSET", K_META, "durable_cks", 0)
 end
 redis.call("HSETNX", K_META, "clock", 0)
 for field, value in pairs(given) do redis.call("HSET", K_META, field, value) end

@@ -1,4 +1,5 @@
--- lib.lua - helpers shared by every cachetier script; the loader prepends this file to each one.
+-- lib.lua - helpers shared by every cachetier script; the loader prepends this file to each one,
+-- after a preamble of constants it generates from eviction/policy.py (see CLASSES below).
 --
 -- Every script receives the same KEYS, in this order (all carry the pool's hash tag):
 --   KEYS[1] meta   HASH  pool geometry, epoch, counters, eviction weights
@@ -18,6 +19,87 @@
 -- A "page set" is one page per cache group of one kind (MLA or KDA), allocated, pinned and freed
 -- as a unit; its first page is the lead and holds the record; the other pages have none.
 -- Errors are raised as "CT_<CODE> message" before any write, so a failed call changes nothing.
+--
+-- Records are msgpack maps. Ids are page ids, hashes raw chained-hash bytes; -1 or "" is none.
+-- Tokens count from the prompt's start; blocks are hash blocks (meta.block_tokens tokens each).
+--
+-- Lead record, pages[lead], of every page set (alloc_set; `k` says which kind):
+--   k       str    "M" an MLA page set, "K" a KDA page set (private state, or a checkpoint)
+--   g       int    always 0; nothing reads it
+--   pages   list   the set's page ids, one per cache group of its kind; pages[1] is the lead
+--   st      str    "private" (its request's alone), "pending" (registered, never matched until
+--                  its ticket is confirmed: invariant 2) or "ready"
+--   ref     int    pins: 1 while its owner holds it, plus 1 per hit or reader pinning it (MLA
+--                  anchor) or per restore copying it (checkpoint); evictable only at 0
+--   owner   str    request id that allocated it; "" once registered (checkpoint) or released
+--   lu      int    meta.tick when last used (the recency term of `score`)
+--   lc      num    meta.clock when last used (the GreedyDual term of `score`)
+--   depth   int    tokens of the prefix it ends: an MLA page's page end, a checkpoint's
+--                  boundary (0 while private); `score`'s depth term is depth / #pages
+--   kids    int    registered MLA pages hung under it (leaf-first: evictable only at 0)
+-- An MLA lead, once registered (commit.lua `attach`), also has:
+--   par     int    lead of the page holding the previous page end (-1 on the first page)
+--   eps     list   its endpoints, {hash, fill}, in registration order (each also in `ep`)
+--   cks     list   hashes of the checkpoints anchored on its endpoints (evicted with it)
+--   fill    int    hash blocks registered on it (<= blocks_per_page); `rf` holds those confirmed
+--   cn      list   per class (CLASSES order): how many checkpoints in `cks` have that class
+--   cg      list   per class: the sum of those checkpoints' `gain`
+-- A checkpoint lead, once registered (commit.lua `register_checkpoint`), also has:
+--   h       bytes  its boundary's chained hash (its field in `ck`)
+--   anchor  int    the MLA lead holding the endpoint `h` (evicting that page drops it too)
+--   cls     str    its class, one of CLASSES (`reclass` promotes or demotes it)
+--   gain    int    tokens it adds over its request's deepest kept checkpoint before it (`pck`)
+--   tk      int    the commit ticket that registered it (`pending_checkpoint` checks it)
+--   dur     int    1 unless `cls` is "intermediate" (counted in meta.durable_cks)
+--
+-- Request record, req[rid] (plan_step `start_request`; pin_prefix keeps a reader's pins in one
+-- without `mt` and `pck`, whose prompt ends at its hit):
+--   tokens  int    prompt length
+--   pos     int    tokens done: its hit, then each commit's stop
+--   stop    int    where the planned step ends (= pos when no step awaits its commit)
+--   hit     int    tokens served from the cache: where its prefill started
+--   mt      int    tokens the MLA pages alone matched at lookup (>= hit)
+--   pin     int    the hit's anchor MLA lead, pinned until release (-1 without a hit)
+--   spath   bytes  the page table of the slots served from the cache (uint32 ids, slot-major)
+--   shared  int    how many slots are served from the cache (the length of spath in page sets)
+--   own     list   leads of its own MLA page sets, one per slot after `shared`
+--   state   int    lead of its private KDA state set (-1 without KDA groups)
+--   ck      int    lead of the checkpoint set planned for the current step (-1 if none)
+--   reg     int    hash blocks whose endpoints are registered or found present (hit at first)
+--   pck     int    blocks of its deepest kept (not intermediate, not spec) checkpoint, its hit
+--                  to begin with: the base of the next checkpoint's `gain`
+--   inter   bytes  hash of its latest intermediate checkpoint ("" if none), recycled when its
+--                  next checkpoint registers
+--   hoff    int    blocks cut off the front of its reqh blob (hash i is the blob's i - hoff)
+--   tix     list   the tickets it still waits on (its rid is in each one's `tix` entry)
+--   pend    list   what confirming each ticket settles, one map per ticket:
+--                    t      int    the ticket (settled when one of its request's tickets
+--                                  >= t is confirmed)
+--                    unpin  int    a checkpoint lead whose restore pin then drops (-1; a
+--                                  commit drops it earlier: the forward pass has read it)
+--                    fills  map    MLA lead (as a string) -> the fill then ready on it
+--                    ck     int    the checkpoint lead the commit registered (-1), then ready
+--                    ckh    bytes  its hash ("")
+--
+-- Meta hash, meta (numbers; the geometry is fixed for the pool's life, see create_pool.lua):
+--   num_pages        page ids in the pool
+--   blocks_per_page  hash blocks per physical page
+--   block_tokens     tokens per hash block
+--   hash_len         bytes per chained hash
+--   kda_groups       KDA cache groups: pages per checkpoint or state set (0: full attention)
+--   mla_groups       MLA cache groups: pages per MLA page set
+--   mla_token_bytes  bytes per token in an MLA page (the size of a partial page's copy)
+--   kda_state_bytes  bytes of one group's state that a restore copies
+--   max_batch        most requests in one plan_step or commit
+--   epoch            the current epoch; a new one (invalidate_pool) voids every page id
+--   fresh            the lowest page id never allocated in this epoch
+--   tick             logical time: +1 per plan_step and pin_prefix (the `lu` stamps)
+--   ticket           the last ticket issued (never reissued)
+--   lru_pages        pages held by the members of `lru`, so a step's capacity check is O(1)
+--   clock            the GreedyDual clock: evicting an entry raises it to the entry's lc plus
+--                    its value term, when that is higher
+--   durable_cks      registered checkpoints with dur = 1
+--   w_*              the eviction weights: WEIGHT_FIELDS (EvictionWeights.as_pool_fields)
 
 local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10],
@@ -37,17 +119,22 @@ local function is_int(v, lo, hi)
   return type(v) == "number" and v == math.floor(v) and v >= lo and (hi == nil or v <= hi)
 end
 
--- Checkpoint classes (eviction/policy.py CLASSES, same order): MLA leads count their anchored
--- checkpoints per class (`cn`) and sum their gains per class (`cg`), in this order.
-local CLASSES = {"intermediate", "turn", "branch", "rung", "spec", "superseded"}
-local CLASS_INDEX = {}
-for i, c in ipairs(CLASSES) do CLASS_INDEX[c] = i end
+-- CLASSES, CLASS_INDEX, COMMIT_KINDS, IS_COMMIT_KIND, WEIGHT_FIELDS, W_BONUS and W_VALUE come
+-- from the preamble the loader generates from eviction/policy.py (index/scripts.py): MLA leads
+-- count their anchored checkpoints (`cn`) and sum their gains (`cg`) per class, in CLASSES order.
+
+-- A per-class array of zeros, in CLASSES order: a new MLA lead's `cn` or `cg`.
+local function class_zeros()
+  local out = {}
+  for i = 1, #CLASSES do out[i] = 0 end
+  return out
+end
 
 -- The per-class weights as arrays in CLASSES order (`wb` bonus, `wv` value), for `score`.
 local function class_weights(m)
   m.wb, m.wv = {}, {}
-  for i, c in ipairs(CLASSES) do
-    m.wb[i], m.wv[i] = m["w_bonus_" .. c], m["w_value_" .. c]
+  for i = 1, #CLASSES do
+    m.wb[i], m.wv[i] = m[W_BONUS[i]], m[W_VALUE[i]]
   end
 end
 
@@ -65,13 +152,8 @@ local function load_meta(expected_epoch)
   return m
 end
 
--- The eviction weights a pool stores (eviction.policy.EvictionWeights.as_pool_fields): checks
--- field/value pairs from ARGV[first] on; returns them as a table, or fails naming the bad one.
-local WEIGHT_FIELDS = {w_recency = true, w_clock = true, w_mla = true, w_depth = true}
-for _, c in ipairs(CLASSES) do
-  WEIGHT_FIELDS["w_bonus_" .. c], WEIGHT_FIELDS["w_value_" .. c] = true, true
-end
-
+-- A weight a caller sends (WEIGHT_FIELDS: eviction.policy.EvictionWeights.as_pool_fields) must
+-- be a finite number, so that every score is one.
 local function check_weight(field, value)
   if value == nil or value ~= value or value == math.huge or value == -math.huge then
     fail("BADINPUT", field .. " must be a finite number")
@@ -166,14 +248,17 @@ local function save_lead(m, id, rec)
   end
 end
 
--- Moves a registered checkpoint to another class; its anchor's per-class sums follow.
+-- Moves a registered checkpoint to another class; its anchor's per-class sums and
+-- meta.durable_cks (the count of registered checkpoints with `dur` = 1) follow.
 local function reclass(m, lead, rec, cls)
   local anchor = get_rec(rec.anchor)
   local i, j = CLASS_INDEX[rec.cls], CLASS_INDEX[cls]
   anchor.cn[i], anchor.cg[i] = anchor.cn[i] - 1, anchor.cg[i] - rec.gain
   anchor.cn[j], anchor.cg[j] = anchor.cn[j] + 1, anchor.cg[j] + rec.gain
   rec.cls = cls
+  m.durable_cks = m.durable_cks - rec.dur
   if cls == "intermediate" then rec.dur = 0 else rec.dur = 1 end
+  m.durable_cks = m.durable_cks + rec.dur
   save_lead(m, rec.anchor, anchor)
   save_lead(m, lead, rec)
 end
@@ -215,6 +300,7 @@ local function drop_checkpoint(m, h, removed)
   local rec = get_rec(lead)
   if rec.ref > 0 then error("CT_CORRUPT pinned checkpoint dropped at page " .. lead) end
   redis.call("HDEL", K_CK, h)
+  m.durable_cks = m.durable_cks - rec.dur
   local anchor = get_rec(rec.anchor)
   if anchor then
     remove_from(anchor.cks, h)
@@ -257,7 +343,7 @@ end
 
 local function save_meta(m)
   redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket,
-             "lru_pages", m.lru_pages, "clock", m.clock)
+             "lru_pages", m.lru_pages, "clock", m.clock, "durable_cks", m.durable_cks)
 end
 
 local function pin(m, id)

@@ -4,7 +4,7 @@
 -- ARGV[1] - epoch
 -- ARGV[2] - first page id of this batch (0 on the first call)
 -- ARGV[3] - N, how many page ids to visit (1..100000)
--- ARGV[4..] - the new weights as field, value pairs (every one of lib.lua WEIGHT_FIELDS)
+-- ARGV[4..] - the new weights as field, value pairs (every one of WEIGHT_FIELDS, see lib.lua)
 -- returns the first page id of the next batch, or -1 once every allocated id was visited
 --
 -- Bounded: one batch visits N page ids, in id order, and re-adds the eviction-order members among

@@ -1,0 +1,58 @@
+"""Test helpers for the running cluster: the tiny preset, the shared token, a service and an agent
+run as asyncio tasks in the test's own loop, and polling for a state that arrives asynchronously.
+
+These are context managers rather than fixtures because tests start several services or agents,
+restart them mid-test, or give them overrides; the plain fixtures in conftest.py are built on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from cachetier.config import PRESETS, Config
+from cachetier.service.observer import ServiceObserver
+from cachetier.service.server import CacheTierService, ServiceSettings
+from gpu_pool.agent import Agent, AgentSettings
+
+TOKEN = "test-token"
+TINY = PRESETS["tiny"]
+BLOCK = TINY.cache.hash_block_tokens
+PAGE = TINY.cache.page_tokens
+T = TypeVar("T")
+
+
+@contextlib.asynccontextmanager
+async def running_service(redis_url: str, config: Config = TINY,
+                          observer: ServiceObserver | None = None,
+                          **overrides: Any) -> AsyncIterator[CacheTierService]:
+    settings = ServiceSettings(redis_url=redis_url, token=TOKEN, config=config, **overrides)
+    async with CacheTierService(settings, observer) as service:
+        yield service
+
+
+@contextlib.asynccontextmanager
+async def running_agent(*urls: str, pool: str = "p", **overrides: Any) -> AsyncIterator[Agent]:
+    agent = Agent(AgentSettings(urls, pool, TOKEN, reconnect_max_s=0.2, **overrides))
+    task = asyncio.create_task(agent.run())
+    try:
+        registered = asyncio.create_task(agent.registered.wait())
+        await asyncio.wait({task, registered}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        registered.cancel()
+        if task.done():
+            task.result()  # the run ended: raise why
+        assert agent.registered.is_set(), "the agent did not register within 10 s"
+        yield agent
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def eventually(probe: Callable[[], Awaitable[T]], done: Callable[[T], bool]) -> T:
+    """The first result of `probe` that is `done`, polled for up to 5 s."""
+    async with asyncio.timeout(5):
+        while not done(value := await probe()):
+            await asyncio.sleep(0.01)
+    return value
