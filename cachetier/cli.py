@@ -21,13 +21,12 @@ import secrets
 import signal
 import sys
 import time
-import tomllib
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from cachetier.config import (PRESETS, Config, ConfigError, add_config_arguments, config_from_args,
+from cachetier.config import (PRESETS, ConfigError, add_config_arguments, config_from_args,
                               load_config)
 from cachetier.wire.framing import DEFAULT_MAX_FRAME
 

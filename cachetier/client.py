@@ -166,5 +166,5 @@ class TierPool:
 
     async def stats(self) -> IndexStats:
         stats = await self.tier.stats(self.pool_id)
-        self._epoch = stats.epoch
-        return IndexStats(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(IndexStats)})
+        fields = dataclasses.fields(IndexStats)
+        return IndexStats(**{f.name: getattr(stats, f.name) for f in fields})

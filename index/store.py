@@ -124,6 +124,11 @@ class PrefixIndex:
     async def current_epoch(self) -> int:
         return int(await self.redis.hget(self.keys[0], "epoch") or 0)
 
+    async def drop(self) -> None:
+        """Delete the pool, every key of it (a fixed set: UNLINK is O(1) per key), for a scratch
+        pool such as a benchmark's; its ids and epochs may then be issued again."""
+        await self.redis.unlink(*self.keys)
+
     async def probe(self, prompt_tokens: int, hashes: bytes) -> PrefixProbe:
         """Read-only: what the pool could serve of the prompt now (no pin, no recency), for a
         router choosing among pools."""

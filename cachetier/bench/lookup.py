@@ -279,7 +279,7 @@ async def measure(client: Redis, counter: SendCounter, config: Config, case: Cas
         hashing_ms = hash_ms(conversation_tokens(0, case.tokens), root, config)
         samples = await run_steps(index, counter, blobs, case)
     finally:
-        await client.delete(*index.keys)
+        await index.drop()
     result = summarize(case, samples, hashing_ms)
     progress(f"{case.tokens} tokens x {case.batch}: p50 {result['p50_us']} us, p99 "
              f"{result['p99_us']} us, round trip {result['rtt_p50_us']} us, "

@@ -1,7 +1,8 @@
-"""Trace replay: request traces (Mooncake JSONL, synthetic agentic sessions) and a pure-Python model
-of the checkpoint policies at hash-block level, used to pin down their conventions and to compare
-them under a byte budget before replaying through the real index.
+"""Trace replay: request traces (Mooncake JSONL, synthetic agentic sessions) served through the
+real index, one pool per replay runner (`runners.RUNNERS`: a pool configuration plus a checkpoint
+placement, or the adaptive runner), under a byte budget or a sweep of them.
 
-It owns no Redis access and no pool bytes: `policy_model` is an independent re-statement of the
-index's lookup, registration and eviction rules, not a client of `index`.
+It reaches the index only through `PrefixIndex` (and the request lifecycle); it holds no pool
+bytes: page payloads are elided. The independent pure-Python model of the same rules that pinned
+the conventions down is a test oracle (`tests/policy_model.py`), not part of the package.
 """

@@ -1,8 +1,9 @@
-"""The `adaptive` policy: the pool runs whichever of two modes has served more lately.
+"""The `adaptive` replay runner: the pool runs whichever of two modes has served more lately.
 
-No one configuration of the index wins everywhere (`policy_model` measures why): on traces of
-many shared, branching prefixes (Mooncake) the best use of a tight budget is to keep checkpoints
-at branch points and page ends and evict by prefill tokens saved per byte (GreedyDual, Marconi);
+No one configuration of the index wins everywhere (`tests/policy_model.py` measures why): on
+traces of many shared, branching prefixes (Mooncake) the best use of a tight budget is to keep
+checkpoints at branch points and page ends and evict by prefill tokens saved per byte
+(GreedyDual, Marconi);
 on deep agentic sessions the same budget is better spent on one rung per prompt, evicted least
 recently used first, since every turn extends a session that only its next turn will read. So:
 

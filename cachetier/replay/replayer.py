@@ -1,7 +1,7 @@
 """`cachetier replay`: a request trace served through the real index, one pool per replay runner.
 
-`policy_model` restates the index's rules to pin the runners' conventions down; this module
-measures the index itself (Redis, the production Lua scripts, `PrefixIndex`), so the figures it
+`tests/policy_model.py` restates the index's rules to pin the runners' conventions down; this
+module measures the index itself (Redis, the production Lua scripts, `PrefixIndex`), so the figures it
 reports are those of the code that runs, and the tests compare the two.
 
 A request is served the way the engine serves it, minus the bytes: `plan_step` (lookup, pins,
@@ -11,7 +11,8 @@ and the checkpoint the `CheckpointPlacement` keeps or not), `confirm` of the com
 ticket is not confirmed on its own: `commit` drops the restore pins (as it does for a plan never
 confirmed) and confirmation is cumulative per request, so the commit's confirm settles both.
 Requests are served one after the other in timestamp order (stable), each one's registrations
-visible to the next: the convention that reproduces the issue's figures (see `policy_model`).
+visible to the next: the convention that reproduces the issue's figures (see
+`tests/policy_model.py`).
 
 Replay runners are configurations of the real code (`runners.RUNNERS`, which also drives them): a
 pool configuration, an eviction policy and a `CheckpointPlacement`, or the adaptive runner; each
