@@ -1,7 +1,7 @@
 """Where the agent reports what happens to it, for liveness (MQTT) and tests.
 
-The base class is the null implementation (STYLE 7); `cachetier.run.nodes.PresenceObserver` calls
-`AgentPresence.set_epoch`. Calls are made on the agent's event loop and must not block.
+The base class is the null implementation (STYLE 7);
+`cachetier.events.observers.PresenceObserver` calls `AgentPresence.set_epoch`. Calls are made on the agent's event loop and must not block.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Where the service reports what happens, for cache events (MQTT) and tests.
 
-The base class is the null implementation (STYLE 7); `cachetier.run.nodes.EventsObserver` turns
-these records into `cachetier.events.cache_events` batches. Methods are plain calls made on the hot
-path and must not block: an implementation that talks to the network queues the work or starts a
-task.
+The base class is the null implementation (STYLE 7); `cachetier.events.observers.EventsObserver`
+turns these records into `cachetier.events.cache_events` batches. Methods are plain calls made on
+the hot path and must not block: an implementation that talks to the network queues the work or
+starts a task.
 """
 
 from __future__ import annotations
