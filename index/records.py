@@ -25,6 +25,13 @@ class StepRequest:
     `stop_at_page_end` ends it at the next physical page end (a rung of the checkpoint ladder),
     and `stop_at_last_page_end` at the prompt's deepest page end before its last token, when the
     step starts before it (the one rung worth a checkpoint's bytes when the budget is tight).
+
+    `turn_end_kind` is the class the caller's policy keeps the checkpoint at the prompt's turn end
+    (its last hash-block boundary) as, None when it keeps none there. It matters when the hit
+    lands exactly on that boundary: the request then writes no checkpoint of its own (no later
+    pass crosses a boundary), the one it restores from *is* its turn end, and the index promotes
+    it to this class if it is an intermediate or superseded one, as a duplicate commit of that
+    class would; otherwise the request that wrote it as its intermediate recycles it.
     """
 
     rid: str
@@ -35,6 +42,11 @@ class StepRequest:
     stop_at_match: bool = False
     stop_at_page_end: bool = False
     stop_at_last_page_end: bool = False
+    turn_end_kind: CheckpointKind | None = None
+
+    def __post_init__(self) -> None:
+        if self.turn_end_kind == "intermediate":
+            raise ValueError(f"{self.rid}: a turn end is kept, never intermediate")
 
     @property
     def is_new(self) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from cachetier.config import Config
-from eviction.policy import CLASSES, Entry, EvictionWeights, lru
+from eviction.policy import CLASSES, COMMIT_KINDS, Entry, EvictionWeights, lru
 from index.errors import BadRequest, CorruptState, StaleEpoch, UnknownEntity, UnknownPool
 from index.hashing import hash_len
 from index.prefix import PrefixProbe
@@ -295,6 +295,10 @@ class ReferenceIndex:
         seen.add(item.rid)
         if item.compute_tokens < 1:
             raise BadRequest(f"{item.rid}: compute must be an integer >= 1")
+        if item.turn_end_kind is not None and (item.turn_end_kind not in COMMIT_KINDS
+                                               or item.turn_end_kind == "intermediate"):
+            raise BadRequest(f"{item.rid}: turn_end must be one of {', '.join(COMMIT_KINDS)} "
+                             f"but intermediate")
         r = self.s.req.get(item.rid)
         if r is not None:
             if r["stop"] != r["pos"]:
@@ -329,6 +333,8 @@ class ReferenceIndex:
             if r is None:
                 depth, p["hit"], p["ckpt"] = self._match_prefix(item.hashes, item.prompt_tokens)
                 p["match"] = depth * self.B
+                if p["ckpt"] >= 0 and p["hit"] == item.prompt_tokens // self.B:
+                    p["turn_end"] = item.turn_end_kind  # the hit restores the turn end itself
                 if p["hit"] > 0:
                     lead, fill = self.s.ep[self._h(item.hashes, p["hit"])]
                     p["anchor"] = lead
@@ -370,6 +376,11 @@ class ReferenceIndex:
             for lead in (p["anchor"], p["ckpt"]):
                 if lead >= 0:
                     self._pin(lead)
+        for p in plans:
+            if p.get("turn_end") is not None:
+                rec = self.s.pages[p["ckpt"]]
+                if rec["cls"] in ("intermediate", "superseded"):
+                    self._reclass(p["ckpt"], rec, p["turn_end"])
         removed: list[Removal] = []
         while self._free_count() < need:
             if not self._evict_one(removed):

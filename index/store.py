@@ -179,6 +179,8 @@ class PrefixIndex:
         item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint),
                                 "at_match": int(r.stop_at_match), "at_page": int(r.stop_at_page_end),
                                 "at_last": int(r.stop_at_last_page_end)}
+        if r.turn_end_kind is not None:
+            item["turn_end"] = r.turn_end_kind
         if r.is_new:
             blocks = (r.prompt_tokens or 0) // self.config.cache.hash_block_tokens
             if len(r.hashes) != blocks * self._hash_len:

@@ -30,7 +30,8 @@ BLOCK, PAGE = 4, 16
 async def serve(d: Driver, rid: str, tokens: list[int], policy: CheckpointPlacement,
                 chunk: int = 64) -> list[RequestPlan]:
     """A whole prefill with `policy`'s steps and commit items, then release; returns its plans."""
-    step = policy.first_step(rid, chunk, len(tokens), new_request(rid, tokens, 1, BLOCK).hashes)
+    step = policy.first_step(rid, chunk, len(tokens), new_request(rid, tokens, 1, BLOCK).hashes,
+                             BLOCK, PAGE)
     plans = []
     while True:
         plan = only(await d.plan([step], {rid: tokens}))

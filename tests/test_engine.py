@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cachetier.client import CacheTierClient
@@ -81,6 +81,7 @@ async def check_pool(redis, pool_id: str, config: Config) -> None:
 
 @settings(max_examples=6, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@example(seed=4917, chunk=16, policy='branch', pages=256)
 @given(seed=st.integers(0, 10_000), chunk=st.integers(5, 70),
        policy=st.sampled_from(sorted(PLACEMENTS)), pages=st.sampled_from([40, 256]))
 async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url, seed, chunk,
@@ -98,6 +99,23 @@ async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url
     if pages == 256:  # no eviction: every later turn resumes at least at its previous turn end
         assert all(r.hit_tokens > 0 for r in later if r.prompt_tokens > 2 * 16)
     await check_pool(redis, pool_id, config)
+
+
+@pytest.mark.parametrize("policy", sorted(PLACEMENTS))
+async def test_a_turn_that_ends_on_another_requests_intermediate_keeps_it(redis, redis_url, policy):
+    """The hypothesis example seed=4917: `a` checkpoints 16 as an intermediate in step 0; `b`
+    (sharing 21 tokens) arrives in step 1 and hits there, and 16 is its turn end, so its one pass
+    (16 -> 25) writes no checkpoint; `a`'s turn-end commit in that step recycles its intermediate.
+    The plan keeps it as `b`'s turn end, so `b`'s next turn resumes at 16."""
+    a = list(range(1000, 1040))
+    b = a[:21] + list(range(2000, 2004))
+    sessions = [Session("a", [a], [0]), Session("b", [b, b + list(range(3000, 3011))], [0, 0])]
+    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+        served = await serve(tier, pool_id, pool, config, sessions, PLACEMENTS[policy], chunk=16)
+        await check_pool(redis, pool_id, config)
+    hits = {(r.session, r.turn): r.hit_tokens for r in served.results}
+    assert all(r.verified for r in served.results)
+    assert hits == {("a", 0): 0, ("b", 0): 16, ("b", 1): 16}
 
 
 async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redis_url):
@@ -173,3 +191,20 @@ def test_commit_items_keep_turn_ends_branch_points_and_ladder_rungs(policy, stop
                        copies=[], match_tokens=64)
     item = policy.commit_item(plan, prompt_tokens=100, block_tokens=16, page_tokens=64)
     assert (item.stop, item.checkpoint_tokens, item.durable) == (stop, stop, expected)
+
+
+@pytest.mark.parametrize("policy,prompt,expected", [
+    (SEED, 100, "turn"), (BRANCH, 100, "turn"), (SEED, 10, None), (PLACEMENTS["ladder"], 65, "rung"),
+    (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 60, "turn"),
+    (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 100, None),
+    (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 65, "rung")])
+def test_first_steps_carry_the_class_the_policy_keeps_the_turn_end_as(policy, prompt, expected):
+    """What a pass computing the turn end would commit it as, for a hit landing exactly there."""
+    step = policy.first_step("r", 8, prompt, b"", block_tokens=16, page_tokens=64)
+    assert step.turn_end_kind == expected
+    if expected is not None:
+        turn_end = prompt // 16 * 16
+        plan = RequestPlan("r", hit_tokens=0, start=turn_end - 1, stop=prompt, mla_pages=[[]],
+                           state_pages=[], checkpoint_pages=[1, 2, 3], checkpoint_tokens=turn_end,
+                           copies=[], match_tokens=0)
+        assert policy.checkpoint_kind(plan, prompt, 16, 64) == expected

@@ -244,3 +244,40 @@ async def test_a_checkpoint_anchored_on_another_requests_pending_endpoint_waits_
     assert not state.ck, "the checkpoint outlived the endpoint it was anchored on"
     await d.release(["b"])
     await check(d, config)
+
+
+@pytest.mark.parametrize("turn_end_kind,kept", [("turn", True), (None, False)])
+async def test_a_hit_exactly_at_the_turn_end_keeps_the_intermediate_it_restores(redis,
+                                                                                turn_end_kind, kept):
+    """b's prompt branches off a's while a is in flight, and b's turn end (8) is a's intermediate
+    checkpoint: b hits there and its one pass (8 -> 11) writes no checkpoint, so the restored one
+    *is* b's turn end. a's next commit in the same step recycles its intermediate; with b's
+    `turn_end_kind` the plan has promoted it first, so b's next turn resumes at 8. Without it (a
+    policy keeping no turn end there) it is recycled as before."""
+    config = small_config()
+    d = await make(redis, config)
+    a = list(range(100, 140))
+    step = await d.plan([new_request("a", a, 8, 4)], {"a": a})
+    await d.confirm(step.ticket)
+    await d.confirm((await d.commit([commit_item(only(step), 8)])).ticket)  # intermediate at 8
+    b = a[:10] + [7]
+    step = await d.plan([StepRequest("a", 8),
+                         replace(new_request("b", b, 8, 4), turn_end_kind=turn_end_kind)],
+                        {"b": b})
+    plans = {r.rid: r for r in step.requests}
+    assert (plans["b"].hit_tokens, plans["b"].stop, plans["b"].checkpoint_tokens) == (8, 11, 0)
+    await d.confirm(step.ticket)
+    commit = await d.commit([commit_item(plans["a"], 16), commit_item(plans["b"], 11)])
+    await d.confirm(commit.ticket)
+    await d.release(["b"])
+    state = await read_pool(redis, d.index.keys)
+    hashes = chain_hashes(b, ROOT, 4)                  # two blocks: the second one ends at 8
+    at_8 = hashes[len(hashes) // 2:]
+    assert (at_8 in state.ck) is kept
+    if kept:
+        assert state.pages[state.ck[at_8]]["cls"] == "turn"
+    nxt = b + [8] * 9
+    plan = only(await d.plan([new_request("b2", nxt, 32, 4)], {"b2": nxt}))
+    assert plan.hit_tokens == (8 if kept else 0)
+    await d.release(["a", "b2"])
+    await check(d, config)

@@ -38,6 +38,7 @@ from index.store import PrefixIndex
 from tests.index_harness import ROOT, Driver, new_request, small_config
 
 
+KEPT = [kind for kind in COMMIT_KINDS if kind != "intermediate"]  # what a turn end may be kept as
 ODD = st.sampled_from([0.0, 1.0, 0.1, 1 / 3, 2.5, 1e-3, 2.0**40])
 WEIGHTS = st.sampled_from([lru(), recency(), value()]) | st.builds(
     EvictionWeights, recency=ODD, clock=ODD, mla=ODD, depth=ODD,
@@ -111,7 +112,8 @@ class IndexMachine(RuleBasedStateMachine):
                                                 data.draw(st.booleans())),
                                     stop_at_match=data.draw(st.booleans()),
                                     stop_at_page_end=data.draw(st.booleans()),
-                                    stop_at_last_page_end=data.draw(st.booleans())))
+                                    stop_at_last_page_end=data.draw(st.booleans()),
+                                    turn_end_kind=data.draw(st.none() | st.sampled_from(KEPT))))
             tokens[rid] = toks
         for rid, state in sorted(self.status.items()):
             if state == "committed" and data.draw(st.booleans(), label=f"continue {rid}"):
@@ -139,7 +141,7 @@ class IndexMachine(RuleBasedStateMachine):
         block, page = self.config.cache.hash_block_tokens, self.config.cache.page_tokens
         split = {"stop_at_match": at_match, "stop_at_page_end": at_page,
                  "stop_at_last_page_end": at_last}
-        step = replace(new_request(rid, toks, chunk, block), **split)
+        step = replace(new_request(rid, toks, chunk, block), turn_end_kind="turn", **split)
         while True:
             plan = self.both("plan", [step], {rid: toks})
             if not isinstance(plan, StepPlan):
@@ -287,3 +289,33 @@ def test_scripts_match_reference(redis_url, config) -> None:
     run_state_machine_as_test(machine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def test_a_hit_exactly_at_the_turn_end_promotes_the_restored_intermediate_alike(redis_url) -> None:
+    """The rule the random machine reaches only rarely, step by step on both sides: `b` hits `a`'s
+    intermediate checkpoint at its own turn end (8) with a `turn_end_kind`, and the plan promotes
+    it (`a`'s commit in the same step would recycle it otherwise)."""
+    machine = type("Machine", (IndexMachine,), {"config": small_config(num_pages=64),
+                                                 "redis_url": redis_url})()
+    try:
+        def run(op, *args):
+            out = machine.both(op, *args)
+            machine.redis_equals_reference_and_is_sane()
+            return out
+        a = prompt(0, 40, None, 0)
+        step = run("plan", [new_request("a", a, 8, 4)], {"a": a})
+        run("confirm", step.ticket)
+        run("confirm", run("commit", [CommitItem("a", 8, 8, kind="intermediate")]).ticket)
+        b = a[:10] + [7]
+        step = run("plan", [StepRequest("a", 8), replace(new_request("b", b, 8, 4),
+                                                         turn_end_kind="rung")], {"b": b})
+        assert [r.hit_tokens for r in step.requests] == [0, 8]
+        run("confirm", step.ticket)
+        run("confirm", run("commit", [CommitItem("a", 16, 16, kind="turn"),
+                                      CommitItem("b", 11)]).ticket)
+        run("release", ["b"])
+        state = machine.ref.index.s
+        assert sorted(state.pages[lead]["cls"] for lead in state.ck.values()) == ["rung", "turn"]
+        run("release", ["a"])
+    finally:
+        machine.teardown()

@@ -51,12 +51,16 @@ class CheckpointPlacement:
         if self.spec_rungs and not self.page_ladder:
             raise ValueError(f"{self.name}: spec_rungs needs page_ladder")
 
-    def first_step(self, rid: str, compute_tokens: int, prompt_tokens: int,
-                   hashes: bytes) -> StepRequest:
-        """A new request: its hashes go to the index, which knows where it will start."""
+    def first_step(self, rid: str, compute_tokens: int, prompt_tokens: int, hashes: bytes,
+                   block_tokens: int, page_tokens: int) -> StepRequest:
+        """A new request: its hashes go to the index, which knows where it will start, with the
+        class of its turn end (kept by the index when the hit lands exactly there: then no pass
+        of this request writes it, the checkpoint it restores from is it)."""
         return StepRequest(rid, compute_tokens, prompt_tokens, hashes,
                            stop_at_match=self.branch_points, stop_at_page_end=self.page_ladder,
-                           stop_at_last_page_end=self.deepest_rung)
+                           stop_at_last_page_end=self.deepest_rung,
+                           turn_end_kind=self.turn_end_kind(prompt_tokens, block_tokens,
+                                                            page_tokens))
 
     def next_step(self, rid: str, compute_tokens: int) -> StepRequest:
         return StepRequest(rid, compute_tokens, stop_at_match=self.branch_points,
@@ -77,15 +81,26 @@ class CheckpointPlacement:
                         page_tokens: int) -> CheckpointKind | None:
         """The class of the checkpoint at `plan.checkpoint_tokens`. It is kept when it is a
         branch point, a rung, or the turn's last boundary (the pass reaching the prompt's end may
-        cross none, so the turn-end checkpoint can be the one of an earlier pass); otherwise it
-        is intermediate."""
+        cross none, so the turn-end checkpoint can be the one of an earlier pass, or the one the
+        hit restored: `turn_end_kind`); otherwise it is intermediate."""
         at = plan.checkpoint_tokens
         if at == 0:
             return None
-        turn_end = prompt_tokens // block_tokens * block_tokens
-        deepest = (prompt_tokens - 1) // page_tokens * page_tokens  # the deepest rung below the end
         if self.branch_points and plan.hit_tokens < plan.match_tokens == at:
             return "branch"
+        return self._kind_at(at, prompt_tokens, block_tokens, page_tokens)
+
+    def turn_end_kind(self, prompt_tokens: int, block_tokens: int,
+                      page_tokens: int) -> CheckpointKind | None:
+        """The class of the checkpoint at the prompt's last hash-block boundary for a request
+        that resumes exactly there (a hit is no branch point); None where none is kept."""
+        turn_end = prompt_tokens // block_tokens * block_tokens
+        return self._kind_at(turn_end, prompt_tokens, block_tokens, page_tokens) if turn_end else None
+
+    def _kind_at(self, at: int, prompt_tokens: int, block_tokens: int,
+                 page_tokens: int) -> CheckpointKind | None:
+        turn_end = prompt_tokens // block_tokens * block_tokens
+        deepest = (prompt_tokens - 1) // page_tokens * page_tokens  # the deepest rung below the end
         ladder = self.page_ladder or (self.deepest_rung and at == deepest)
         if ladder and at % page_tokens == 0 and not (at == turn_end and turn_end > deepest):
             return "spec" if self.spec_rungs and at < deepest else "rung"

@@ -166,7 +166,8 @@ class PrefillScheduler:
     def _step_request(self, r: _InFlight) -> StepRequest:
         if r.hit < 0:
             hashes = chain_hashes(r.tokens, self.root, self.block, self.config.cache.hash_algo)
-            return self.policy.first_step(r.rid, self.chunk_tokens, len(r.tokens), hashes)
+            return self.policy.first_step(r.rid, self.chunk_tokens, len(r.tokens), hashes,
+                                          self.block, self.config.cache.page_tokens)
         return self.policy.next_step(r.rid, self.chunk_tokens)
 
     def _advance(self, r: _InFlight, plan: RequestPlan, out: torch.Tensor) -> CommitItem:

@@ -216,7 +216,8 @@ class PoolRunner:
         steps = 0
         async with RequestLifecycle(self.index) as lifecycle:  # no agent: nothing to settle
             plan = await lifecycle.plan(
-                [self.policy.first_step(rid, self.chunk_tokens, length, hashes)])
+                [self.policy.first_step(rid, self.chunk_tokens, length, hashes, block,
+                                        self.config.cache.page_tokens)])
             if isinstance(plan, StepRefusal):  # nothing was planned: served without the cache
                 return ServedRequest(length, 0, 0, 0, refused=True)
             first = plan.requests[0]

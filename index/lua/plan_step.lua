@@ -9,8 +9,11 @@
 --           at_last = 0|1 (default 0: end the step at the prompt's deepest page end before its
 --           last token, when the step starts before it: the deepest rung), and for a new request
 --           tokens = prompt length, hashes = n: ARGV[2 + n] holds the chained hashes of every
---           complete hash block}. An active request id continues its prefill; an unknown one is
---           looked up.
+--           complete hash block, turn_end = a kept class of COMMIT_KINDS (optional: the class its
+--           policy keeps the prompt's last hash-block boundary as; when the hit lands exactly
+--           there, the restored checkpoint is that turn end and an intermediate or superseded one
+--           is promoted to it, as a duplicate commit would, so its writer does not recycle it)}.
+--           An active request id continues its prefill; an unknown one is looked up.
 -- ARGV[3..] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
 -- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, match, start, stop, shared, own,
 --           state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
@@ -41,6 +44,10 @@ local function check_request(item, seen)
   item.at_match, item.at_page, item.at_last = item.at_match or 0, item.at_page or 0, item.at_last or 0
   for _, flag in ipairs({"ckpt", "at_match", "at_page", "at_last"}) do
     if item[flag] ~= 0 and item[flag] ~= 1 then fail("BADINPUT", item.rid .. ": " .. flag .. " must be 0 or 1") end
+  end
+  if item.turn_end ~= nil and (not IS_COMMIT_KIND[item.turn_end] or item.turn_end == "intermediate") then
+    fail("BADINPUT", item.rid .. ": turn_end must be one of " .. table.concat(COMMIT_KINDS, ", ")
+      .. " but intermediate")
   end
   local r = get_req(item.rid)
   if r then
@@ -78,6 +85,8 @@ for n, item in ipairs(batch) do
     depth, p.hit, p.ckpt = match_prefix(m, item.tokens, blob)
     p.match = depth * B
     if p.hit > 0 then hit_pages(p, get_ep(block_hash(blob, HL, p.hit))) end
+    -- A hit exactly at the turn end restores the turn end itself: it is kept (phase B).
+    if p.ckpt >= 0 and p.hit == math.floor(item.tokens / B) then p.turn_end = item.turn_end end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
     if p.anchor >= 0 and redis.call("ZSCORE", K_LRU, p.anchor) then pinned_in_lru[p.anchor] = m.mla_groups end
     if p.ckpt >= 0 and redis.call("ZSCORE", K_LRU, p.ckpt) then pinned_in_lru[p.ckpt] = m.kda_groups end
@@ -112,6 +121,12 @@ m.tick = m.tick + 1
 for _, p in ipairs(plans) do
   if p.anchor >= 0 then pin(m, p.anchor) end
   if p.ckpt >= 0 then pin(m, p.ckpt) end
+end
+for _, p in ipairs(plans) do
+  if p.turn_end then
+    local rec = get_rec(p.ckpt)
+    if rec.cls == "intermediate" or rec.cls == "superseded" then reclass(m, p.ckpt, rec, p.turn_end) end
+  end
 end
 local removed = {}
 while free_count(m) < need do
