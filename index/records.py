@@ -23,15 +23,19 @@ class StepRequest:
     `stop_at_match` ends the step at the end of the request's MLA match when that lies beyond the
     hit (a branch point: the next request sharing this prefix then hits at full depth),
     `stop_at_page_end` ends it at the next physical page end (a rung of the checkpoint ladder),
-    and `stop_at_last_page_end` at the prompt's deepest page end before its last token, when the
-    step starts before it (the one rung worth a checkpoint's bytes when the budget is tight).
+    `stop_at_last_page_end` at the prompt's deepest page end before its last token, when the
+    step starts before it (the one rung worth a checkpoint's bytes when the budget is tight), and
+    `stop_at_resend_point` one hash block before the end of a prompt that ends on a hash-block
+    boundary, when the step starts before that (a hit leaves a token to compute, so an exact
+    resend of such a prompt can hit there and not at its turn end).
 
-    `turn_end_kind` is the class the caller's policy keeps the checkpoint at the prompt's turn end
-    (its last hash-block boundary) as, None when it keeps none there. It matters when the hit
-    lands exactly on that boundary: the request then writes no checkpoint of its own (no later
-    pass crosses a boundary), the one it restores from *is* its turn end, and the index promotes
-    it to this class if it is an intermediate or superseded one, as a duplicate commit of that
-    class would; otherwise the request that wrote it as its intermediate recycles it.
+    `turn_end_kind` is the class the caller's policy keeps the checkpoint at the deepest boundary
+    a hit can reach, `(P - 1) // B * B`, as (the prompt's turn end, or its resend point when the
+    prompt is block-aligned), None when it keeps none there. It matters when the hit lands
+    exactly on that boundary: the one it restores from *is* that kept checkpoint, and the index
+    promotes it to this class if it is an intermediate or superseded one, as a duplicate commit
+    of that class would (otherwise the request that wrote it as its intermediate recycles it),
+    and leaves it in its class when the request completes.
     """
 
     rid: str
@@ -42,6 +46,7 @@ class StepRequest:
     stop_at_match: bool = False
     stop_at_page_end: bool = False
     stop_at_last_page_end: bool = False
+    stop_at_resend_point: bool = False
     turn_end_kind: CheckpointKind | None = None
 
     def __post_init__(self) -> None:

@@ -333,8 +333,8 @@ class ReferenceIndex:
             if r is None:
                 depth, p["hit"], p["ckpt"] = self._match_prefix(item.hashes, item.prompt_tokens)
                 p["match"] = depth * self.B
-                if p["ckpt"] >= 0 and p["hit"] == item.prompt_tokens // self.B:
-                    p["turn_end"] = item.turn_end_kind  # the hit restores the turn end itself
+                if p["ckpt"] >= 0 and p["hit"] == (item.prompt_tokens - 1) // self.B:
+                    p["turn_end"] = item.turn_end_kind  # the hit restores what the prompt keeps
                 if p["hit"] > 0:
                     lead, fill = self.s.ep[self._h(item.hashes, p["hit"])]
                     p["anchor"] = lead
@@ -361,6 +361,10 @@ class ReferenceIndex:
             last_page_end = (p["tokens"] - 1) // page_tokens * page_tokens
             if item.stop_at_last_page_end and last_page_end > p["start"]:
                 p["stop"] = min(p["stop"], last_page_end)
+            resend_point = p["tokens"] - self.B
+            if (item.stop_at_resend_point and p["tokens"] % self.B == 0
+                    and resend_point > p["start"]):
+                p["stop"] = min(p["stop"], resend_point)
             p["new_slots"] = max(0, math.ceil(p["stop"] / (self.B * self.PB)) - p["slots_have"])
             p["want_ckpt"] = (item.checkpoint and self.kda > 0
                               and p["stop"] // self.B > p["start"] // self.B)
@@ -391,7 +395,7 @@ class ReferenceIndex:
 
     def _start_request(self, p: dict[str, Any], rid: str, copies: list[PageCopy]) -> dict[str, Any]:
         shared = p["slots_have"]
-        hoff = max(shared * self.PB - 1, 0)
+        hoff = max(shared * self.PB - 2, 0)  # down to the resend point of the hit's turn end
         r = {"tokens": p["tokens"], "pos": p["start"], "hit": p["start"], "mt": p["match"],
              "pin": p["anchor"],
              "spath": p["shared"], "own": [], "shared": shared, "state": -1, "ck": -1,
@@ -583,9 +587,14 @@ class ReferenceIndex:
         lead = self.s.ck.get(self._h(blob, r["hit"] // self.B))
         if lead is None or self.s.pages[lead]["cls"] not in ("turn", "superseded"):
             return
-        cls = "superseded" if r["pck"] * self.B > r["hit"] else "turn"
+        own_resend_point = r["hit"] == (r["tokens"] - 1) // self.B * self.B
+        cls = "superseded" if r["pck"] * self.B > r["hit"] and not own_resend_point else "turn"
         if cls != self.s.pages[lead]["cls"]:
             self._reclass(lead, self.s.pages[lead], cls)
+        if cls == "superseded" and r["hit"] > self.B:  # its resend point goes with it
+            partner = self.s.ck.get(self._h(blob, r["hit"] // self.B - 1))
+            if partner is not None and self.s.pages[partner]["cls"] == "turn":
+                self._reclass(partner, self.s.pages[partner], "superseded")
 
     # -- confirm.lua --------------------------------------------------------------------------
     async def confirm(self, ticket: int) -> int:

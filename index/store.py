@@ -178,7 +178,8 @@ class PrefixIndex:
             raise BadRequest(f"{r.rid}: compute_tokens must be an integer >= 1")
         item: dict[str, Any] = {"rid": r.rid, "compute": r.compute_tokens, "ckpt": int(r.checkpoint),
                                 "at_match": int(r.stop_at_match), "at_page": int(r.stop_at_page_end),
-                                "at_last": int(r.stop_at_last_page_end)}
+                                "at_last": int(r.stop_at_last_page_end),
+                                "at_resend": int(r.stop_at_resend_point)}
         if r.turn_end_kind is not None:
             item["turn_end"] = r.turn_end_kind
         if r.is_new:

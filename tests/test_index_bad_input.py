@@ -57,6 +57,7 @@ RAW_PLAN_CASES = {
     "hashes inline": (packed([new_item(hashes=GOOD_HASHES)]), []),
     "ckpt not 0/1": (packed([new_item(ckpt=2)]), [GOOD_HASHES]),
     "at_last not 0/1": (packed([new_item(at_last=3)]), [GOOD_HASHES]),
+    "at_resend not 0/1": (packed([new_item(at_resend=3)]), [GOOD_HASHES]),
     "turn_end intermediate": (packed([new_item(turn_end="intermediate")]), [GOOD_HASHES]),
     "duplicate rid": (packed([new_item(), new_item(hashes=2)]), [GOOD_HASHES] * 2),
     "over max_batch": (packed([new_item(rid=f"x{i}", hashes=i + 1) for i in range(CONFIG.cache.max_batch + 1)]),

@@ -113,6 +113,7 @@ class IndexMachine(RuleBasedStateMachine):
                                     stop_at_match=data.draw(st.booleans()),
                                     stop_at_page_end=data.draw(st.booleans()),
                                     stop_at_last_page_end=data.draw(st.booleans()),
+                                    stop_at_resend_point=data.draw(st.booleans()),
                                     turn_end_kind=data.draw(st.none() | st.sampled_from(KEPT))))
             tokens[rid] = toks
         for rid, state in sorted(self.status.items()):
@@ -120,7 +121,8 @@ class IndexMachine(RuleBasedStateMachine):
                 requests.append(StepRequest(rid, data.draw(st.integers(1, 40)),
                                             stop_at_match=data.draw(st.booleans()),
                                             stop_at_page_end=data.draw(st.booleans()),
-                                            stop_at_last_page_end=data.draw(st.booleans())))
+                                            stop_at_last_page_end=data.draw(st.booleans()),
+                                            stop_at_resend_point=data.draw(st.booleans())))
         result = self.both("plan", requests, tokens)
         if isinstance(result, StepPlan):
             self.tickets.append(result.ticket)
@@ -129,18 +131,20 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(doc=st.integers(0, 2), length=st.integers(1, 70), branch=st.none() | st.integers(0, 69),
           variant=st.integers(0, 1), chunk=st.integers(1, 40), keep=st.booleans(),
-          at_match=st.booleans(), at_page=st.booleans(), at_last=st.booleans(), spec=st.booleans())
+          at_match=st.booleans(), at_page=st.booleans(), at_last=st.booleans(), spec=st.booleans(),
+          at_resend=st.booleans())
     def serve(self, doc, length, branch, variant, chunk, keep, at_match, at_page, at_last,
-              spec) -> None:
+              spec, at_resend) -> None:
         """A whole prefill the way an engine runs it, so later requests find a warm cache; with
-        `at_match`/`at_page`/`at_last` its steps stop at branch points and page ends, and the
-        checkpoints there are kept, classed as a policy would (`spec`: rungs above the deepest)."""
+        `at_match`/`at_page`/`at_last`/`at_resend` its steps stop at branch points, page ends and
+        an aligned prompt's resend point, and the checkpoints there are kept, classed as a policy
+        would (`spec`: rungs above the deepest)."""
         self.serial += 1
         rid = f"s{self.serial}"
         toks = prompt(doc, length, branch, variant)
         block, page = self.config.cache.hash_block_tokens, self.config.cache.page_tokens
         split = {"stop_at_match": at_match, "stop_at_page_end": at_page,
-                 "stop_at_last_page_end": at_last}
+                 "stop_at_last_page_end": at_last, "stop_at_resend_point": at_resend}
         step = replace(new_request(rid, toks, chunk, block), turn_end_kind="turn", **split)
         while True:
             plan = self.both("plan", [step], {rid: toks})
@@ -149,7 +153,7 @@ class IndexMachine(RuleBasedStateMachine):
             self.both("confirm", plan.ticket)
             (r,) = plan.requests
             ck = r.stop // block * block
-            if r.stop == length:
+            if r.stop == length or (at_resend and r.stop == length - block and length % block == 0):
                 kind = "turn"
             elif at_match and r.stop == r.match_tokens:
                 kind = "branch"

@@ -23,7 +23,10 @@
 -- checkpoint of its request so far (`pck`: its hit to begin with): what losing it costs a later
 -- request that would hit it. The commit that completes a prompt re-classes the turn end the
 -- request resumed from: `superseded` when the request registered a deeper kept checkpoint (the
--- conversation went on past it), `turn` again otherwise (an exact repeat).
+-- conversation went on past it), `turn` again otherwise (an exact repeat), and `turn` too when it
+-- is the prompt's own resend point (a block-aligned prompt resent: the hit stops one block short,
+-- and the pass to the end registers the turn end, or finds it, past the one it restored). A
+-- superseded turn end takes the `turn` checkpoint one block before it along (its resend point).
 
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
@@ -142,7 +145,9 @@ local function register_checkpoint(rid, r, hash_at, blocks, kind, p)
   return "registered"
 end
 
--- The prompt is complete: the turn end it resumed from was superseded if it went further.
+-- The prompt is complete: the turn end it resumed from was superseded if it went further (and
+-- the resend point before it with it), unless it is the prompt's own resend point (the deepest
+-- boundary a hit on this prompt can reach).
 local function settle_restored(r, hash_at)
   if m.kda_groups == 0 or r.hit == 0 then return end
   local lead = redis.call("HGET", K_CK, hash_at(r.hit / B))
@@ -150,8 +155,17 @@ local function settle_restored(r, hash_at)
   local rec = get_rec(tonumber(lead))
   if rec.cls ~= "turn" and rec.cls ~= "superseded" then return end
   local cls = "turn"
-  if r.pck * B > r.hit then cls = "superseded" end
+  if r.pck * B > r.hit and r.hit < math.floor((r.tokens - 1) / B) * B then cls = "superseded" end
   if cls ~= rec.cls then reclass(m, tonumber(lead), rec, cls) end
+  -- Its resend point (one block before it, a turn end's pair) is superseded with it: it served
+  -- exact resends of a turn the conversation has left. An exact resend's plan promotes it back.
+  if cls == "superseded" and r.hit > B then
+    local partner = redis.call("HGET", K_CK, hash_at(r.hit / B - 1))
+    if partner then
+      local prec = get_rec(tonumber(partner))
+      if prec.cls == "turn" then reclass(m, tonumber(partner), prec, "superseded") end
+    end
+  end
 end
 
 -- The forward pass read the restored state, so the step's copies are done: drop the restore pins

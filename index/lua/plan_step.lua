@@ -7,12 +7,17 @@
 --           step at the request's MLA match when that lies beyond its start: a branch point),
 --           at_page = 0|1 (default 0: end the step at the next page end: a ladder rung),
 --           at_last = 0|1 (default 0: end the step at the prompt's deepest page end before its
---           last token, when the step starts before it: the deepest rung), and for a new request
+--           last token, when the step starts before it: the deepest rung), at_resend = 0|1
+--           (default 0: end the step one hash block before the end of a prompt that ends on a
+--           hash-block boundary, when the step starts before that: the deepest boundary an exact
+--           resend can hit, since a hit leaves a token to compute), and for a new request
 --           tokens = prompt length, hashes = n: ARGV[2 + n] holds the chained hashes of every
 --           complete hash block, turn_end = a kept class of COMMIT_KINDS (optional: the class its
---           policy keeps the prompt's last hash-block boundary as; when the hit lands exactly
---           there, the restored checkpoint is that turn end and an intermediate or superseded one
---           is promoted to it, as a duplicate commit would, so its writer does not recycle it)}.
+--           policy keeps the deepest boundary a hit can reach, floor((tokens - 1) / B) blocks,
+--           as: its turn end, or a block-aligned prompt's resend point; when the hit lands
+--           exactly there, the restored checkpoint is that kept one and an intermediate or
+--           superseded one is promoted to it, as a duplicate commit would, so its writer does not
+--           recycle it)}.
 --           An active request id continues its prefill; an unknown one is looked up.
 -- ARGV[3..] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
 -- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, match, start, stop, shared, own,
@@ -42,7 +47,8 @@ local function check_request(item, seen)
   seen[item.rid] = true
   if not is_int(item.compute, 1) then fail("BADINPUT", item.rid .. ": compute must be an integer >= 1") end
   item.at_match, item.at_page, item.at_last = item.at_match or 0, item.at_page or 0, item.at_last or 0
-  for _, flag in ipairs({"ckpt", "at_match", "at_page", "at_last"}) do
+  item.at_resend = item.at_resend or 0
+  for _, flag in ipairs({"ckpt", "at_match", "at_page", "at_last", "at_resend"}) do
     if item[flag] ~= 0 and item[flag] ~= 1 then fail("BADINPUT", item.rid .. ": " .. flag .. " must be 0 or 1") end
   end
   if item.turn_end ~= nil and (not IS_COMMIT_KIND[item.turn_end] or item.turn_end == "intermediate") then
@@ -85,8 +91,10 @@ for n, item in ipairs(batch) do
     depth, p.hit, p.ckpt = match_prefix(m, item.tokens, blob)
     p.match = depth * B
     if p.hit > 0 then hit_pages(p, get_ep(block_hash(blob, HL, p.hit))) end
-    -- A hit exactly at the turn end restores the turn end itself: it is kept (phase B).
-    if p.ckpt >= 0 and p.hit == math.floor(item.tokens / B) then p.turn_end = item.turn_end end
+    -- A hit at the deepest boundary a hit can reach restores the checkpoint the prompt keeps
+    -- there (its turn end, or an aligned prompt's resend point): it is kept (phase B).
+    local deepest_hit = math.floor((item.tokens - 1) / B)
+    if p.ckpt >= 0 and p.hit == deepest_hit then p.turn_end = item.turn_end end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
     if p.anchor >= 0 and redis.call("ZSCORE", K_LRU, p.anchor) then pinned_in_lru[p.anchor] = m.mla_groups end
     if p.ckpt >= 0 and redis.call("ZSCORE", K_LRU, p.ckpt) then pinned_in_lru[p.ckpt] = m.kda_groups end
@@ -99,6 +107,10 @@ for n, item in ipairs(batch) do
   if item.at_page == 1 then p.stop = math.min(p.stop, (math.floor(p.start / PT) + 1) * PT) end
   local last_page_end = math.floor((p.tokens - 1) / PT) * PT
   if item.at_last == 1 and last_page_end > p.start then p.stop = math.min(p.stop, last_page_end) end
+  local resend_point = p.tokens - B
+  if item.at_resend == 1 and p.tokens % B == 0 and resend_point > p.start then
+    p.stop = math.min(p.stop, resend_point)
+  end
   -- A commit may stop short of its plan, so a request can own slots beyond this step's stop.
   p.new_slots = math.max(0, math.ceil(p.stop / PT) - p.slots_have)
   p.want_ckpt = item.ckpt == 1 and m.kda_groups > 0 and math.floor(p.stop / B) > math.floor(p.start / B)
@@ -133,11 +145,12 @@ while free_count(m) < need do
   if not evict_one(m, removed) then error("CT_CORRUPT eviction ran dry after the capacity check") end
 end
 
--- A new request's record; it keeps the hashes from its first own page's parent on, all that
--- commit will ever read.
+-- A new request's record; it keeps the hashes from one block before its first own page's parent
+-- on, all that commit will ever read (that parent's page end, and the block before the hit: the
+-- resend point of the turn end it restores, which settle_restored re-classes with it).
 local function start_request(p, rid, copies)
   local shared = p.slots_have
-  local hoff = math.max(shared * PB - 1, 0)
+  local hoff = math.max(shared * PB - 2, 0)
   local r = {tokens = p.tokens, pos = p.start, hit = p.start, mt = p.match, pin = p.anchor, spath = p.shared,
              own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, pck = p.hit, inter = "",
              pend = {}, hoff = hoff, tix = {}}
