@@ -28,20 +28,25 @@ Pass ends come from the policy's per-request `Steps`:
   * `stop_at_page_end`: a pass also ends at every physical page end it would cross (a rung), or
     with `last_rung_only` at the deepest one only;
   * `chunk_tokens`: a pass computes at most that many tokens (chunked prefill);
-  * the last pass ends at L: its checkpoint is the turn end (unless `turn_end=False`).
+  * the last pass ends at L: its checkpoint is the turn end (unless `turn_end=False`);
+  * a prompt ending on a block boundary (L % B == 0) also ends a pass at L - B, its resend point
+    (the deepest boundary an exact resend can hit, since a hit leaves a token to compute), whose
+    checkpoint is kept as a `turn` too (unless `turn_end=False`).
 Checkpoint classes (eviction.policy.CLASSES): `turn` (last pass), `branch` (the pass ending at m),
 `rung` (a page end), `spec` (a page end that is not the request's deepest, when `spec_rungs`),
 `intermediate` (a chunk end: recycled when the request registers its next checkpoint),
 `superseded` (a turn end that a later request restored and continued past, when
-`demote_restored`; an exact repeat promotes it back to `turn`). The real index knows them all: a
-commit names one of the first five (`CommitItem.kind`), and commit.lua demotes and promotes turn
-ends itself.
+`demote_restored`, with the `turn` checkpoint one block before it, its resend point; an exact
+repeat promotes it back to `turn`, and a request restoring its own resend point leaves it a
+`turn`). The real index knows them all: a commit names one of the first five (`CommitItem.kind`),
+and commit.lua demotes and promotes turn ends itself.
 
 Conventions that reproduce the figures the policies were designed to (Mooncake trace, unlimited
 capacity, token-weighted, target in brackets; `python -m tests.policy_model --unlimited-only`, run
 from the repository root, prints them, and `cachetier replay` gets the same from the real index):
   oracle    0.6504 [0.650]  full attention, 512-token blocks: hit = the usable MLA match.
-  seed      0.5088 [0.509]  one checkpoint per request, at floor(L/512)*512 (its turn end).
+  seed      0.5088 [0.509]  one checkpoint per request, at floor(L/512)*512 (its turn end), and
+                            one more at L - 512 for the 4 requests with L % 512 == 0.
                             Chunking changes nothing at unlimited capacity: intermediate checkpoints
                             are recycled and only the turn end survives.
   branch    0.5820 [0.582]  seed + a kept checkpoint at m*512 when m > hit: the request that
@@ -547,8 +552,12 @@ class Model:
                 self._step(r, stop, cls if steps.checkpoint else None, first=n == 0)
             if steps.demote_restored and hit_ck is not None and hit_ck.cls in ("turn", "superseded"):
                 # continued past: the request's deeper checkpoint supersedes it; an exact repeat
-                # (nothing deeper) promotes it back
-                self._reclass(hit_ck, "superseded" if r.prev_ck > hit else "turn")
+                # (nothing deeper, or its own resend point restored) promotes it back
+                went_past = r.prev_ck > hit and hit < (length - 1) // self.B
+                self._reclass(hit_ck, "superseded" if went_past else "turn")
+                partner = self.ck.get(chain[hit - 2]) if went_past and hit > 1 else None
+                if partner is not None and partner.cls == "turn":  # its resend point with it
+                    self._reclass(partner, "superseded")
         except Refused:
             self.stats.refused += 1
             if not r.has_state:  # refused at its first plan: served without the cache
@@ -566,6 +575,9 @@ class Model:
             rungs = range((start // pt + 1) * pt, length, pt)
             for p in rungs[-1:] if steps.last_rung_only else rungs:
                 marks.setdefault(p, "spec" if steps.spec_rungs and p != rungs[-1] else "rung")
+        resend_point = length - self.B
+        if steps.turn_end and length % self.B == 0 and resend_point > start:
+            marks.setdefault(resend_point, "turn")
         if steps.stop_at_match and match > hit:
             marks[match * self.B] = "branch"
         out: list[tuple[int, str | None]] = []

@@ -39,7 +39,7 @@ async def serve(d: Driver, rid: str, tokens: list[int], policy: CheckpointPlacem
         await d.confirm((await d.commit([policy.commit_item(plan, len(tokens), BLOCK, PAGE)])).ticket)
         if plan.stop == len(tokens):
             break
-        step = policy.next_step(rid, chunk)
+        step = policy.next_step(rid, chunk, len(tokens), PAGE)
     await d.release([rid])
     return plans
 
@@ -69,12 +69,12 @@ async def test_release_stamps_the_pages_it_hands_to_the_cache(redis):
 
 
 async def test_classes_and_gains_of_a_value_mode_prefill(redis):
-    """40 tokens from nothing: passes stop at the page ends 16 and 32 and at the end. The rung at
+    """42 tokens from nothing: passes stop at the page ends 16 and 32 and at the end. The rung at
     16 is not the deepest (`spec`) and does not advance the request's last kept checkpoint, so
     the rung at 32 gains all 32 tokens and the turn end 8 more."""
     d = await make(redis, CONFIG)
-    plans = await serve(d, "a", list(range(200, 240)), VALUE.policy)
-    assert [p.stop for p in plans] == [16, 32, 40]
+    plans = await serve(d, "a", list(range(200, 242)), VALUE.policy)
+    assert [p.stop for p in plans] == [16, 32, 42]
     state = await state_of(d)
     assert checkpoints(state) == {16: ("spec", 16, 1), 32: ("rung", 32, 1), 40: ("turn", 8, 1)}
     anchors = {rec["depth"]: (rec["cn"], rec["cg"]) for rec in state.pages.values() if rec["k"] == "M"}
@@ -88,7 +88,7 @@ async def test_turn_end_is_superseded_when_continued_and_promoted_on_repeat(redi
     a = list(range(300, 342))                                      # turn end at 40, hit at 40
     await serve(d, "a", a, SEED)
     assert checkpoints(await state_of(d)) == {40: ("turn", 40, 1)}
-    longer = a + list(range(500, 518))                             # resumes at 40, goes to 60
+    longer = a + list(range(500, 519))                             # resumes at 40, goes to 61
     assert (await serve(d, "b", longer, SEED))[0].hit_tokens == 40
     assert checkpoints(await state_of(d)) == {40: ("superseded", 40, 1), 60: ("turn", 20, 1)}
     state = await state_of(d)
@@ -102,13 +102,60 @@ async def test_turn_end_is_superseded_when_continued_and_promoted_on_repeat(redi
     assert checkpoints(await state_of(d))[40] == ("turn", 40, 1)
 
 
+async def test_a_resend_point_is_kept_and_superseded_with_its_turn_end(redis):
+    """A block-aligned prompt (40 tokens) keeps its resend point 36 beside its turn end 40, whose
+    gain is then the one block past it. Its next turn resumes at 40 and goes on: both are
+    superseded. A resend of the prompt hits at 36 and promotes both back."""
+    d = await make(redis, CONFIG)
+    a = list(range(300, 340))
+    assert [p.stop for p in await serve(d, "a", a, SEED)] == [36, 40]
+    assert checkpoints(await state_of(d)) == {36: ("turn", 36, 1), 40: ("turn", 4, 1)}
+    longer = a + list(range(500, 519))                             # resumes at 40, goes to 59
+    assert (await serve(d, "b", longer, SEED))[0].hit_tokens == 40
+    assert checkpoints(await state_of(d)) == {36: ("superseded", 36, 1),
+                                              40: ("superseded", 4, 1), 56: ("turn", 16, 1)}
+    assert (await serve(d, "c", a, SEED))[0].hit_tokens == 36     # an exact resend
+    assert checkpoints(await state_of(d)) == {36: ("turn", 36, 1), 40: ("turn", 4, 1),
+                                              56: ("turn", 16, 1)}
+
+
+async def test_a_prompt_resuming_at_its_own_resend_point_keeps_it_a_turn(redis):
+    """x (38 tokens) keeps its turn end 36. y (x's first 36 tokens and one block more: 40) resumes
+    there, and 36 is y's own resend point: it stays a turn although y registers 40 past it."""
+    d = await make(redis, CONFIG)
+    x = list(range(300, 338))
+    await serve(d, "x", x, SEED)
+    y = x[:36] + [1, 2, 3, 4]
+    assert [(p.hit_tokens, p.stop) for p in await serve(d, "y", y, SEED)] == [(36, 40)]
+    assert checkpoints(await state_of(d)) == {36: ("turn", 36, 1), 40: ("turn", 4, 1)}
+
+
+async def test_a_resend_landing_on_an_intermediate_at_its_resend_point_keeps_it(redis):
+    """a (60 tokens) is in flight with an intermediate checkpoint at 36 when b (a's first 40
+    tokens, block-aligned) arrives: b hits at 36, its resend point, so the plan promotes the
+    intermediate to b's turn-end class before a's next commit would recycle it."""
+    d = await make(redis, CONFIG)
+    a = list(range(100, 160))
+    step = only(await d.plan([new_request("a", a, 36, BLOCK)], {"a": a}))
+    await d.confirm((await d.commit([CommitItem("a", 36, 36, kind="intermediate")])).ticket)
+    b = a[:40]
+    plan = await d.plan([StepRequest("a", 8), SEED.first_step("b", 8, len(b), new_request(
+        "b", b, 1, BLOCK).hashes, BLOCK, PAGE)], {"b": b})
+    plans = {r.rid: r for r in plan.requests}
+    assert (plans["b"].hit_tokens, plans["b"].stop, step.stop) == (36, 40, 36)
+    await d.confirm((await d.commit([CommitItem("a", 44, 44, kind="intermediate"),
+                                     CommitItem("b", 40, 40, kind="turn")])).ticket)
+    await d.release(["a", "b"])
+    assert checkpoints(await state_of(d))[36] == ("turn", 36, 1)
+
+
 async def test_eviction_raises_the_greedy_dual_clock(redis):
     """Value weights: the score is the clock stamp plus value per page freed. Evicting the spec
     rung (0.02 x 16 tokens over 3 pages) raises the clock to that; then the leaf page anchoring
     the turn end (8 tokens over 1 + 3 pages) goes with it, and the clock reaches 2."""
     d = await make(redis, CONFIG)
     await d.index.reweigh(value())
-    await serve(d, "a", list(range(200, 240)), VALUE.policy)
+    await serve(d, "a", list(range(200, 242)), VALUE.policy)
     assert [r.kind for r in (await d.evict(1)).removed] == ["ck"]
     state = await state_of(d)
     assert state.clock == (0.0 + 0.02 * 16) / 3

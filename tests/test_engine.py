@@ -195,16 +195,41 @@ def test_commit_items_keep_turn_ends_branch_points_and_ladder_rungs(policy, stop
 
 @pytest.mark.parametrize("policy,prompt,expected", [
     (SEED, 100, "turn"), (BRANCH, 100, "turn"), (SEED, 10, None), (PLACEMENTS["ladder"], 65, "rung"),
+    (SEED, 96, "turn"), (PLACEMENTS["ladder"], 80, "rung"),
+    (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 48, "turn"),
+    (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 96, None),
     (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 60, "turn"),
     (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 100, None),
     (CheckpointPlacement("recency", deepest_rung=True, short_turn_ends=True), 65, "rung")])
 def test_first_steps_carry_the_class_the_policy_keeps_the_turn_end_as(policy, prompt, expected):
-    """What a pass computing the turn end would commit it as, for a hit landing exactly there."""
+    """What a pass computing the deepest boundary a hit can reach (the turn end, or an aligned
+    prompt's resend point one block before it) would commit it as, for a hit landing there."""
     step = policy.first_step("r", 8, prompt, b"", block_tokens=16, page_tokens=64)
     assert step.turn_end_kind == expected
     if expected is not None:
-        turn_end = prompt // 16 * 16
-        plan = RequestPlan("r", hit_tokens=0, start=turn_end - 1, stop=prompt, mla_pages=[[]],
-                           state_pages=[], checkpoint_pages=[1, 2, 3], checkpoint_tokens=turn_end,
-                           copies=[], match_tokens=0)
+        deepest_hit = (prompt - 1) // 16 * 16
+        plan = RequestPlan("r", hit_tokens=0, start=deepest_hit - 1, stop=deepest_hit,
+                           mla_pages=[[]], state_pages=[], checkpoint_pages=[1, 2, 3],
+                           checkpoint_tokens=deepest_hit, copies=[], match_tokens=0)
         assert policy.checkpoint_kind(plan, prompt, 16, 64) == expected
+
+
+@pytest.mark.parametrize("policy", sorted(PLACEMENTS))
+async def test_a_resent_prompt_hits_one_block_short_and_its_next_turn_at_its_end(redis, redis_url,
+                                                                                 policy):
+    """A prompt, the same prompt again, then its next turn, for a block-aligned prompt within a
+    page (48 tokens), one of two pages (128) and one that is not aligned (100): the resend hits
+    at (P - 1) // 16 * 16 (the aligned prompt's resend point, one block before its turn end), the
+    next turn at P // 16 * 16, and every output equals a cold recompute."""
+    for length in (48, 128, 100):
+        prompt = list(range(7000, 7000 + length))
+        turns = [prompt, prompt, prompt + list(range(8000, 8020))]
+        async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+            results = []
+            for n, tokens in enumerate(turns):
+                served = await serve(tier, pool_id, pool, config, [Session(f"s{n}", [tokens], [0])],
+                                     PLACEMENTS[policy], chunk=24)
+                results += served.results
+            await check_pool(redis, pool_id, config)
+        assert all(r.verified for r in results)
+        assert [r.hit_tokens for r in results] == [0, (length - 1) // 16 * 16, length // 16 * 16]

@@ -6,19 +6,23 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from cachetier.cli import main
 from cachetier.config import load_config
+from cachetier.engine.checkpoint_placement import BRANCH, LADDER, SEED, CheckpointPlacement
+from cachetier.replay.adaptive import RECENCY, VALUE
 from cachetier.replay.replayer import (PromptHashes, ReplayContext, ReplayError, budget_pages,
-                                       parse_budget)
+                                       parse_budget, unlimited)
 from cachetier.replay.report import format_size
 from cachetier.replay.runners import RUNNERS, replay_budget
 from cachetier.replay.traces import (AgenticSpec, TraceRequest, read_trace, synth_agentic,
                                      synth_tokens, write_trace)
 from index.hashing import chain_hashes
+from index.records import StepRequest
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 from tests import policy_model as pm
@@ -46,10 +50,11 @@ async def test_hand_trace_gives_the_worked_out_hits(redis: Redis) -> None:
         assert (p.input_tokens, p.hit_tokens) == (TOTAL, EXPECTED[name]), name
         assert p.counters.evictions == 0
     assert result.policies["oracle"].counters.checkpoints_alive == 0
-    # seed keeps every turn end: r1 @13, r2 @7, r3 @8, r4 @26, r5 @27 blocks
+    # seed keeps every turn end: r1 @13, r2 @7, r3 @8, r4 @26, r5 @27 blocks, and the resend
+    # points of the three block-aligned prompts: r2 @6, r4 @25, r5 @26
     seed = result.policies["seed"].counters
-    assert seed.checkpoints_written == seed.checkpoints_alive == 5
-    assert seed.checkpoint_bytes == 5 * 3 * KIMI.geometry.page_id_bytes
+    assert seed.checkpoints_written == seed.checkpoints_alive == 5 + 3
+    assert seed.checkpoint_bytes == 8 * 3 * KIMI.geometry.page_id_bytes
     await check_pools(redis, "replay", BASELINES)
 
 
@@ -198,3 +203,86 @@ def test_trace_synth_writes_sessions_and_turns(tmp_path, capsys: pytest.CaptureF
     assert all(r.session_id is not None and r.turn is not None for r in trace)
     assert f"wrote {len(trace)} requests" in capsys.readouterr().out
     assert main(["trace", "synth", str(path), "--sessions", "0"]) == 2
+
+
+# -- an exact resend -------------------------------------------------------------------------------
+
+def _resend_trace(length: int) -> list[TraceRequest]:
+    """A prompt, the same prompt again (a retry, `n > 1` sampling, a regenerate), then its next
+    turn: 700 tokens past its last hash-block boundary."""
+    ids = tuple(range(1, -(-length // 512) + 1))
+    turn_end = length // 512 * 512
+    extension = TraceRequest(2, turn_end + 700, 1, ids[:turn_end // 512] + (900, 901))
+    return [TraceRequest(0, length, 1, ids), TraceRequest(1, length, 1, ids), extension]
+
+
+def _recency(ctx: ReplayContext):
+    return ctx.pool("recency", ctx.config, RECENCY.policy, RECENCY.weights)
+
+
+@pytest.mark.parametrize("length", [2048, 12288, 2100, 12300])
+async def test_a_resent_prompt_hits_one_block_short_and_its_next_turn_at_its_end(redis, length):
+    """A hit leaves a token to compute, so a resend can hit at (P - 1) // 512 * 512 at best:
+    P - 512 for a block-aligned prompt (its resend point, kept one block before its turn end),
+    P // 512 * 512 otherwise; the next turn still hits at the turn end. The recency mode keeps
+    no turn end for a prompt of a page or more (its deepest rung serves it): only the shorter
+    prompts are asked of it."""
+    trace = _resend_trace(length)
+    names = ("seed", "branch", "ladder", "coupled", "adaptive")
+    result = await replay_budget(redis, trace, KIMI, None, names, chunk_tokens=8192)
+    ctx = ReplayContext(redis, unlimited(KIMI), 8192, PromptHashes("kimi-k3", "xxh3_128"), "rec")
+    recency = _recency(ctx)
+    await recency.setup(redis)
+    by_recency = [(await recency.serve(r)).hit_tokens for r in trace]
+    turn_end = length // 512 * 512
+    expected = [0, (length - 1) // 512 * 512, turn_end]
+    for name in names[:3] + names[4:]:
+        assert [s.hit_tokens for s in result.policies[name].served] == expected, name
+    coupled = (length - 1) // 6144 * 6144, length // 6144 * 6144  # 6,144-token hash blocks
+    assert [s.hit_tokens for s in result.policies["coupled"].served] == [0, *coupled]
+    if length < KIMI.cache.page_tokens:
+        assert by_recency == expected
+    else:
+        deepest_rung = (length - 1) // 6144 * 6144
+        assert by_recency == [0, deepest_rung, deepest_rung]
+    await check_pools(redis, "replay", names)
+
+
+class _NoResendCut(CheckpointPlacement):
+    """The placement as it was before resend points: no pass stops one block before the end."""
+
+    def first_step(self, *args: Any) -> StepRequest:
+        return replace(super().first_step(*args), stop_at_resend_point=False)
+
+    def next_step(self, *args: Any) -> StepRequest:
+        return replace(super().next_step(*args), stop_at_resend_point=False)
+
+
+def _aligned_half(trace: list[TraceRequest]) -> list[TraceRequest]:
+    """Every other request cut down to its last hash-block boundary."""
+    out = []
+    for n, r in enumerate(trace):
+        blocks = r.input_length // 512
+        if n % 2 and blocks > 1:
+            r = replace(r, input_length=blocks * 512, hash_ids=r.hash_ids[:blocks])
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("placement", [SEED, BRANCH, LADDER, VALUE.policy, RECENCY.policy],
+                         ids=lambda p: p.name)
+async def test_resend_points_cost_at_most_one_checkpoint_per_aligned_prompt(redis, placement):
+    trace = _aligned_half(AGENTIC)
+    aligned = sum(r.input_length % 512 == 0 for r in trace)
+    ctx = ReplayContext(redis, unlimited(KIMI), 4096, PromptHashes("kimi-k3", "xxh3_128"), "cnt")
+    cut = ctx.pool("cut", ctx.config, placement)
+    before = ctx.pool("before", ctx.config, _NoResendCut(**vars(placement)))
+    served = {}
+    for runner in (cut, before):
+        await runner.setup(redis)
+        served[runner] = [await runner.serve(r) for r in sorted(trace, key=lambda r: r.timestamp)]
+    with_cut, without = await cut.counters(), await before.counters()
+    assert aligned > 20
+    assert 0 < with_cut.checkpoints_alive - without.checkpoints_alive <= aligned
+    assert with_cut.checkpoints_written - without.checkpoints_written <= aligned
+    assert sum(s.hit_tokens for s in served[cut]) > sum(s.hit_tokens for s in served[before])

@@ -46,7 +46,7 @@ def test_coupled_with_every_page_end_equals_full_6144() -> None:
 
 # r1 leaves page 1 (full), page 2 (block 13) and its turn-end checkpoint anchored on page 2:
 # 5 page ids. An unrelated 3-block request needs 1 page + 3 (state) + 3 (checkpoint) = 7.
-R_OTHER = req(1, [500, 501, 502], 3 * B)
+R_OTHER = req(1, [500, 501, 502, 503], 3 * B + 10)  # not block-aligned: no resend point
 R1_AGAIN = req(2, [*range(1, 14), 101], 13 * B + 50)  # r1's 13 blocks, another tail
 
 

@@ -20,6 +20,17 @@ scarce:
 - `short_turn_ends`: the turn-end checkpoint is kept only for prompts shorter than a page (a
   longer prompt's deepest rung serves its next turn nearly as well, for no partial page).
 
+Every placement that keeps a turn end also serves an exact resend of the prompt (a retry, `n > 1`
+sampling, a regenerate). A hit leaves at least one token to compute, so a resend can only hit at
+`(P - 1) // B * B`: the turn end itself unless the prompt ends on a hash-block boundary, one block
+before it when it does. A block-aligned prompt therefore ends a pass one block before its end too
+(`StepRequest.stop_at_resend_point`) and keeps the checkpoint there in the turn end's class: the
+resend hits at `P - B`, the next turn at `P`. It costs one checkpoint per aligned prompt, and one
+more pass of one block. Gains stay what losing each checkpoint costs: the resend point's is
+measured from the request's previous kept checkpoint, the turn end's is then the one block past
+it. The pair is re-classed together: a next turn that resumes at the turn end and goes on
+supersedes both, an exact resend (restoring the resend point) makes both turns again.
+
 Each kept checkpoint is committed with its class (`CommitItem.kind`: branch, rung, spec, turn,
 in that precedence when one boundary is several), which the pool's eviction weights value. The
 engine (`cachetier.engine.scheduler`) and the replay runners (`cachetier.replay.replayer`) use the
@@ -59,13 +70,21 @@ class CheckpointPlacement:
         return StepRequest(rid, compute_tokens, prompt_tokens, hashes,
                            stop_at_match=self.branch_points, stop_at_page_end=self.page_ladder,
                            stop_at_last_page_end=self.deepest_rung,
+                           stop_at_resend_point=self.keeps_turn_end(prompt_tokens, page_tokens),
                            turn_end_kind=self.turn_end_kind(prompt_tokens, block_tokens,
                                                             page_tokens))
 
-    def next_step(self, rid: str, compute_tokens: int) -> StepRequest:
+    def next_step(self, rid: str, compute_tokens: int, prompt_tokens: int,
+                  page_tokens: int) -> StepRequest:
         return StepRequest(rid, compute_tokens, stop_at_match=self.branch_points,
                            stop_at_page_end=self.page_ladder,
-                           stop_at_last_page_end=self.deepest_rung)
+                           stop_at_last_page_end=self.deepest_rung,
+                           stop_at_resend_point=self.keeps_turn_end(prompt_tokens, page_tokens))
+
+    def keeps_turn_end(self, prompt_tokens: int, page_tokens: int) -> bool:
+        """Whether the prompt's turn end is kept, and with it its resend point (the index cuts a
+        pass there only for a block-aligned prompt, where the two differ)."""
+        return not (self.short_turn_ends and prompt_tokens >= page_tokens)
 
     def commit_item(self, plan: RequestPlan, prompt_tokens: int, block_tokens: int,
                     page_tokens: int) -> CommitItem:
@@ -80,9 +99,9 @@ class CheckpointPlacement:
     def checkpoint_kind(self, plan: RequestPlan, prompt_tokens: int, block_tokens: int,
                         page_tokens: int) -> CheckpointKind | None:
         """The class of the checkpoint at `plan.checkpoint_tokens`. It is kept when it is a
-        branch point, a rung, or the turn's last boundary (the pass reaching the prompt's end may
+        branch point, a rung, the turn's last boundary (the pass reaching the prompt's end may
         cross none, so the turn-end checkpoint can be the one of an earlier pass, or the one the
-        hit restored: `turn_end_kind`); otherwise it is intermediate."""
+        hit restored: `turn_end_kind`) or its resend point; otherwise it is intermediate."""
         at = plan.checkpoint_tokens
         if at == 0:
             return None
@@ -92,20 +111,24 @@ class CheckpointPlacement:
 
     def turn_end_kind(self, prompt_tokens: int, block_tokens: int,
                       page_tokens: int) -> CheckpointKind | None:
-        """The class of the checkpoint at the prompt's last hash-block boundary for a request
-        that resumes exactly there (a hit is no branch point); None where none is kept."""
-        turn_end = prompt_tokens // block_tokens * block_tokens
-        return self._kind_at(turn_end, prompt_tokens, block_tokens, page_tokens) if turn_end else None
+        """The class of the checkpoint at the deepest boundary a hit can reach, `(P - 1) // B *
+        B` (the turn end, or the resend point of a block-aligned prompt), for a request that
+        resumes exactly there (a hit is no branch point); None where none is kept."""
+        deepest_hit = (prompt_tokens - 1) // block_tokens * block_tokens
+        if deepest_hit == 0:
+            return None
+        return self._kind_at(deepest_hit, prompt_tokens, block_tokens, page_tokens)
 
     def _kind_at(self, at: int, prompt_tokens: int, block_tokens: int,
                  page_tokens: int) -> CheckpointKind | None:
         turn_end = prompt_tokens // block_tokens * block_tokens
+        resend = (prompt_tokens - 1) // block_tokens * block_tokens
         deepest = (prompt_tokens - 1) // page_tokens * page_tokens  # the deepest rung below the end
         ladder = self.page_ladder or (self.deepest_rung and at == deepest)
         if ladder and at % page_tokens == 0 and not (at == turn_end and turn_end > deepest):
             return "spec" if self.spec_rungs and at < deepest else "rung"
-        if at == turn_end:
-            return None if self.short_turn_ends and prompt_tokens >= page_tokens else "turn"
+        if at in (turn_end, resend):
+            return "turn" if self.keeps_turn_end(prompt_tokens, page_tokens) else None
         return "intermediate"
 
 

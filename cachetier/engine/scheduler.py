@@ -168,7 +168,8 @@ class PrefillScheduler:
             hashes = chain_hashes(r.tokens, self.root, self.block, self.config.cache.hash_algo)
             return self.policy.first_step(r.rid, self.chunk_tokens, len(r.tokens), hashes,
                                           self.block, self.config.cache.page_tokens)
-        return self.policy.next_step(r.rid, self.chunk_tokens)
+        return self.policy.next_step(r.rid, self.chunk_tokens, len(r.tokens),
+                                     self.config.cache.page_tokens)
 
     def _advance(self, r: _InFlight, plan: RequestPlan, out: torch.Tensor) -> CommitItem:
         if r.hit < 0:

@@ -230,7 +230,8 @@ class PoolRunner:
                 steps += 1
                 if step.stop == length:
                     break
-                plan = await lifecycle.plan([self.policy.next_step(rid, self.chunk_tokens)])
+                plan = await lifecycle.plan([self.policy.next_step(
+                    rid, self.chunk_tokens, length, self.config.cache.page_tokens)])
             refused = isinstance(plan, StepRefusal)
         return ServedRequest(length, first.hit_tokens, first.match_tokens, steps, refused)
 
