@@ -41,6 +41,14 @@ class ModelSpec:
     Layers are organised in cache groups of `layers_per_group` layers each. Every group, KDA or MLA,
     has the same number of layers, so that one page id addresses one page per *layer slot* in every
     group and all groups can share a single free list (vLLM's hybrid allocator makes the same choice).
+
+    A linear-attention layer's state has two parts, whatever its kind (KDA, or later Gated
+    DeltaNet): the recurrent matrix, `kda_heads x [K, V]` in `kda_state_dtype`, and the state of
+    the short causal convolution over its q, k and v projections, the last `conv_kernel - 1`
+    inputs of its `conv_channels` (q: heads x K, k: heads x K, v: heads x V) in `conv_dtype`, the
+    model dtype (vLLM's `kda_state_shape`/`gated_delta_net_state_shape`). The conv channels split
+    over tensor-parallel ranks by heads, as the projections do. `conv_kernel=1` is a layer without
+    a convolution (no conv state).
     """
 
     name: str = "tiny"
@@ -51,16 +59,18 @@ class ModelSpec:
     kda_head_k_dim: int = 16
     kda_head_v_dim: int = 16
     kda_state_dtype: str = "float32"
+    conv_kernel: int = 4
+    conv_dtype: str = "float32"
     mla_latent_dim: int = 16
     mla_dtype: str = "float32"
     tp_degree: int = 1
 
     def __post_init__(self) -> None:
         _positive("model", self, "mla_groups", "layers_per_group", "kda_heads", "kda_head_k_dim",
-                  "kda_head_v_dim", "mla_latent_dim", "tp_degree")
+                  "kda_head_v_dim", "conv_kernel", "mla_latent_dim", "tp_degree")
         if self.kda_groups < 0:
             raise ConfigError("model.kda_groups", "must be >= 0 (0 means a full-attention model)")
-        for key in ("kda_state_dtype", "mla_dtype"):
+        for key in ("kda_state_dtype", "conv_dtype", "mla_dtype"):
             if getattr(self, key) not in DTYPE_BYTES:
                 raise ConfigError(f"model.{key}", f"unknown dtype {getattr(self, key)!r}; "
                                   f"expected one of {sorted(DTYPE_BYTES)}")
@@ -86,9 +96,39 @@ class ModelSpec:
         return self.kda_head_k_dim * self.kda_head_v_dim * DTYPE_BYTES[self.kda_state_dtype]
 
     @property
-    def kda_rank_layer_bytes(self) -> int:
-        """Bytes of one layer's state on one tensor-parallel rank (its heads, head by head)."""
+    def kda_rank_recurrent_bytes(self) -> int:
+        """Bytes of one layer's recurrent part on one tensor-parallel rank (head by head)."""
         return self.heads_per_rank * self.kda_head_bytes
+
+    @property
+    def conv_head_channels(self) -> tuple[int, int, int]:
+        """Conv channels one head owns in each of the q, k and v parts."""
+        return (self.kda_head_k_dim, self.kda_head_k_dim, self.kda_head_v_dim)
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of one layer's short convolution over all ranks: `conv_dim` in vLLM."""
+        return self.kda_heads * sum(self.conv_head_channels)
+
+    @property
+    def conv_rank_channels(self) -> int:
+        """The conv channels one rank holds: its heads' share of q, then of k, then of v."""
+        return self.heads_per_rank * sum(self.conv_head_channels)
+
+    @property
+    def conv_row_bytes(self) -> int:
+        """Bytes of one conv channel's state: its last `conv_kernel - 1` inputs."""
+        return (self.conv_kernel - 1) * DTYPE_BYTES[self.conv_dtype]
+
+    @property
+    def kda_rank_conv_bytes(self) -> int:
+        """Bytes of one layer's conv part on one rank (`[conv_rank_channels, conv_kernel - 1]`)."""
+        return self.conv_rank_channels * self.conv_row_bytes
+
+    @property
+    def kda_rank_layer_bytes(self) -> int:
+        """Bytes of one layer's whole state on one rank, both parts: what a restore copies."""
+        return self.kda_rank_conv_bytes + self.kda_rank_recurrent_bytes
 
     @property
     def mla_token_bytes(self) -> int:
@@ -96,9 +136,20 @@ class ModelSpec:
         return self.mla_latent_dim * DTYPE_BYTES[self.mla_dtype]
 
     @property
-    def checkpoint_bytes_unpadded(self) -> int:
-        """The full KDA state of one request over all ranks: what the seed calls ~217 MB for Kimi K3."""
+    def checkpoint_recurrent_bytes(self) -> int:
+        """The recurrent part of one request's KDA state over all layers and ranks: what the seed
+        calls ~217 MB for Kimi K3."""
         return self.kda_layers * self.kda_heads * self.kda_head_bytes
+
+    @property
+    def checkpoint_conv_bytes(self) -> int:
+        """The conv part of one request's KDA state over all layers and ranks."""
+        return self.kda_layers * self.conv_channels * self.conv_row_bytes
+
+    @property
+    def checkpoint_bytes_unpadded(self) -> int:
+        """One request's whole KDA state, both parts, over all layers and ranks."""
+        return self.checkpoint_conv_bytes + self.checkpoint_recurrent_bytes
 
 
 @dataclass(frozen=True)
@@ -183,22 +234,29 @@ class Config:
             "kda_page_bytes": geo.kda_page_bytes,
             "mla_padding_fraction": round(geo.mla_padding_fraction, 4),
             "kda_padding_fraction": round(geo.kda_padding_fraction, 4),
+            "kda_conv_bytes": self.model.kda_rank_conv_bytes,
+            "kda_recurrent_bytes": self.model.kda_rank_recurrent_bytes,
+            "checkpoint_conv_bytes": self.model.checkpoint_conv_bytes,
+            "checkpoint_recurrent_bytes": self.model.checkpoint_recurrent_bytes,
             "checkpoint_bytes_unpadded": self.model.checkpoint_bytes_unpadded,
             "checkpoint_bytes_pooled": self.model.kda_groups * geo.page_id_bytes,
         }
 
 
 PRESETS: dict[str, Config] = {
-    # The seed's Kimi K3 figures: 69 KDA layers in 3 groups, 96 heads of 128x128 bf16 states;
-    # 23 MLA layers with a 512 + 64 latent per token; 512-token hash blocks in 6,144-token pages.
+    # The seed's Kimi K3 figures: 69 KDA layers in 3 groups, 96 heads of 128x128 bf16 states and a
+    # kernel-4 bf16 conv over q, k, v (3 x 96 x 128 channels, as Kimi Linear's KDA); 23 MLA layers
+    # with a 512 + 64 latent per token; 512-token hash blocks in 6,144-token pages.
     "kimi-k3": Config(
         ModelSpec(name="kimi-k3", kda_groups=3, mla_groups=1, layers_per_group=23, kda_heads=96,
                   kda_head_k_dim=128, kda_head_v_dim=128, kda_state_dtype="bfloat16",
-                  mla_latent_dim=576, mla_dtype="bfloat16", tp_degree=1),
+                  conv_kernel=4, conv_dtype="bfloat16", mla_latent_dim=576, mla_dtype="bfloat16",
+                  tp_degree=1),
         CacheSpec(hash_block_tokens=512, page_tokens=6144, page_alignment=4096, num_pages=4096),
     ),
     # Small enough for CPU tests and Triton's interpreter; still 3 KDA groups (sibling invalidation)
-    # and an MLA page of exactly one KDA layer state (4 heads x 16 x 16 fp32 = 64 tokens x 16 fp32).
+    # and the kernel-4 conv on: a KDA page is 2,304 conv bytes (192 channels x 3 fp32) + 4,096
+    # recurrent bytes (4 heads x 16 x 16 fp32), so the 64 x 16 fp32 MLA page is the padded kind.
     "tiny": Config(ModelSpec(), CacheSpec()),
 }
 

@@ -5,9 +5,14 @@ slot; the page belongs to one cache group, whose layer `i` uses slot `i`. Inside
 
 - an MLA page is token-major `[page_tokens, latent]`, so the first `T` tokens are the byte prefix
   `[0, T * mla_token_bytes)`: a copy-on-write of a partially matched page is one prefix copy;
-- a KDA page is head-major: this rank's heads one after the other, each head's `[K, V]` state stored
-  value-major (`[V, K]`, the order vLLM's gated-delta-net state uses), so each head's byte stream is
-  self-contained (the unit of transfer and re-sharding).
+- a KDA page holds both parts of one layer's state on this rank, conv first as vLLM packs its state
+  page: the conv block `[conv_rank_channels, conv_kernel - 1]` (channel-major: this rank's heads'
+  q channels, then their k channels, then their v channels, each channel's last inputs
+  contiguous), then the recurrent part, head-major: this rank's heads one after the other, each
+  head's `[K, V]` state stored value-major (`[V, K]`, the order vLLM's gated-delta-net state
+  uses), so each head's recurrent stream is self-contained. A run of heads owns one run of
+  recurrent bytes and three runs of conv rows (its q, k and v channels): the unit of transfer and
+  re-sharding.
 
 The two layouts deliberately disagree: a KDA state read as MLA tokens (or the reverse) comes out
 transposed inside each head, not as a plausible reshape of the right data.
@@ -62,10 +67,14 @@ class PageLayout:
     @classmethod
     def from_specs(cls, model: ModelSpec, cache: CacheSpec) -> PageLayout:
         layout = cls(model, cache, page_geometry(model, cache))
-        for name in (model.mla_dtype, model.kda_state_dtype):
+        for name in (model.mla_dtype, model.kda_state_dtype, model.conv_dtype):
             if layout.page_bytes % DTYPE_BYTES[name]:
                 raise ValueError(f"page_bytes={layout.page_bytes} is not a multiple of the {name} "
                                  "element size: typed views of later pages would be misaligned")
+        if model.kda_rank_conv_bytes % DTYPE_BYTES[model.kda_state_dtype]:
+            raise ValueError(f"the {model.kda_rank_conv_bytes}-byte conv block is not a multiple "
+                             f"of the {model.kda_state_dtype} element size: the recurrent part "
+                             "after it would be misaligned")
         return layout
 
     @property
@@ -97,8 +106,17 @@ class PageLayout:
         return torch_dtype(self.model.kda_state_dtype)
 
     @property
+    def conv_dtype(self) -> torch.dtype:
+        return torch_dtype(self.model.conv_dtype)
+
+    @property
     def head_bytes(self) -> int:
         return self.model.kda_head_bytes
+
+    @property
+    def recurrent_offset(self) -> int:
+        """Where the recurrent part starts in a KDA page slot: right after the conv block."""
+        return self.model.kda_rank_conv_bytes
 
     def rank_heads(self, rank: int) -> range:
         """Global ids of the KDA heads that `rank` holds, in storage order."""
@@ -113,7 +131,35 @@ class PageLayout:
         if head not in heads:
             raise ValueError(f"head {head} is not on rank {rank} (holds heads "
                              f"[{heads.start}, {heads.stop}))")
-        return ByteRange((head - heads.start) * self.head_bytes, self.head_bytes)
+        return ByteRange(self.recurrent_offset + (head - heads.start) * self.head_bytes,
+                         self.head_bytes)
+
+    def conv_rows(self, heads: range, rank: int = 0) -> list[tuple[range, range]]:
+        """The conv channels of global heads `heads` (all on `rank`): one `(global channels,
+        channels in rank's conv block)` pair per part q, k, v, in that order. Global channels
+        are numbered as in the unsharded layer, all heads' q, then k, then v (vLLM's `conv_dim`)."""
+        held = self.rank_heads(rank)
+        if heads.start < held.start or heads.stop > held.stop:
+            raise ValueError(f"heads [{heads.start}, {heads.stop}) are not all on rank {rank} "
+                             f"(holds heads [{held.start}, {held.stop}))")
+        rows, global_base, local_base = [], 0, 0
+        for width in self.model.conv_head_channels:
+            first_global = global_base + heads.start * width
+            first_local = local_base + (heads.start - held.start) * width
+            rows.append((range(first_global, first_global + len(heads) * width),
+                         range(first_local, first_local + len(heads) * width)))
+            global_base += self.model.kda_heads * width
+            local_base += len(held) * width
+        return rows
+
+    def conv_range(self, channels: range) -> ByteRange:
+        """Bytes of the rows of local conv channels `channels` inside one layer slot of a KDA
+        page."""
+        if not 0 <= channels.start <= channels.stop <= self.model.conv_rank_channels:
+            raise ValueError(f"conv channels [{channels.start}, {channels.stop}) outside a "
+                             f"{self.model.conv_rank_channels}-channel conv block")
+        row = self.model.conv_row_bytes
+        return ByteRange(channels.start * row, len(channels) * row)
 
     def mla_token_range(self, start: int, stop: int) -> ByteRange:
         """Bytes of tokens `[start, stop)` inside one layer slot of an MLA page."""

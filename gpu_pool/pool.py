@@ -104,7 +104,8 @@ class PagedPool:
                                                model.mla_latent_dim)
 
     def kda_view(self, page: int, heads: slice | None = None) -> torch.Tensor:
-        """`[layer_slots, heads, K, V]` of `kda_state_dtype` (strided: storage is `[V, K]` per head).
+        """`[layer_slots, heads, K, V]` of `kda_state_dtype`, the recurrent part of a KDA page
+        (strided: storage is `[V, K]` per head).
 
         `heads` slices this rank's heads by local index (0 is the rank's first head).
         """
@@ -113,10 +114,22 @@ class PagedPool:
         if not model.kda_groups:
             raise ValueError(f"model {model.name!r} has no KDA groups")
         start, stop = _head_bounds(heads, model.heads_per_rank)
-        raw = self.buffer[:, page, start * layout.head_bytes:stop * layout.head_bytes]
+        base = layout.recurrent_offset
+        raw = self.buffer[:, page, base + start * layout.head_bytes:base + stop * layout.head_bytes]
         state = raw.view(layout.kda_dtype).view(layout.layer_slots, stop - start,
                                                 model.kda_head_v_dim, model.kda_head_k_dim)
         return state.transpose(-1, -2)
+
+    def conv_view(self, page: int) -> torch.Tensor:
+        """`[layer_slots, conv_rank_channels, conv_kernel - 1]` of `conv_dtype`: the conv part of
+        a KDA page (this rank's q, then k, then v channels), a view of the page, not a copy."""
+        self._check(page, PageKind.KDA)
+        layout, model = self.layout, self.layout.model
+        if not model.kda_groups:
+            raise ValueError(f"model {model.name!r} has no KDA groups")
+        raw = self.buffer[:, page, :model.kda_rank_conv_bytes]
+        return raw.view(layout.conv_dtype).view(layout.layer_slots, model.conv_rank_channels,
+                                                model.conv_kernel - 1)
 
     def _check(self, page: int, expected: PageKind) -> None:
         self.layout.check_page(page)

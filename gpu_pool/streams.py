@@ -1,12 +1,15 @@
 """Which byte streams one destination rank pulls from which source rank to receive a set of pages.
 
-The unit of transfer is one (page, layer slot, head range) byte stream. A KDA page of a source rank
-of TP degree `s` holds heads `[r*H/s, (r+1)*H/s)` head by head; the heads it shares with a
-destination rank of degree `d` are one contiguous run on both sides, so each (page, slot, source
-rank, destination rank) is one stream, read at the run's offset in the source layout and written
-at its offset in the destination layout: the re-sharding is the choice of offsets, nothing is
-reshuffled afterwards. An MLA page (the latent is replicated on every rank) is one stream per slot,
-pulled by every destination rank from one source rank (spread over the source ranks).
+The unit of transfer is one byte stream within one (page, layer slot). A KDA page of a source rank
+of TP degree `s` holds heads `[r*H/s, (r+1)*H/s)`; the heads it shares with a destination rank
+of degree `d` are one contiguous run on both sides, which owns one run of recurrent bytes and
+three runs of conv rows (its q, k and v channels: the conv block is channel-major, q then k then
+v, as vLLM's `conv_dim`). Each run is read at its offset in the source layout and written at its
+offset in the destination layout: the re-sharding is the choice of offsets, nothing is
+reshuffled afterwards. Runs adjacent on both sides are merged, so a page between equal degrees
+is still one stream per slot, and between different degrees at most four. An MLA page (the
+latent is replicated on every rank) is one stream per slot, pulled by every destination rank
+from one source rank (spread over the source ranks).
 
 Both pools must hold the same model up to the TP degree: same heads, head shapes and dtypes, same
 tokens per page. Everything is checked here, before a byte moves.
@@ -109,11 +112,30 @@ def _kda_streams(src: PageLayout, src_rank: int, dst: PageLayout, dst_rank: int,
         raise ValueError(f"page {move.src}: model {src.model.name!r} has no KDA pages")
     if move.nbytes:
         raise ValueError(f"page {move.src}: a KDA page moves whole (nbytes must be 0)")
-    src_offset = src.kda_head_range(heads.start, src_rank).offset
-    dst_offset = dst.kda_head_range(heads.start, dst_rank).offset
-    nbytes = len(heads) * src.head_bytes
-    return [Stream(move.src, slot, src_offset, nbytes, move.dst, dst_offset)
-            for slot in range(src.layer_slots)]
+    runs = [(src.conv_range(ours), dst.conv_range(theirs))
+            for (_, ours), (_, theirs) in zip(src.conv_rows(heads, src_rank),
+                                              dst.conv_rows(heads, dst_rank))]
+    recurrent = ByteRange(src.kda_head_range(heads.start, src_rank).offset,
+                          len(heads) * src.head_bytes)
+    runs.append((recurrent, ByteRange(dst.kda_head_range(heads.start, dst_rank).offset,
+                                      recurrent.size)))
+    merged = _merge_runs(runs)
+    return [Stream(move.src, slot, a.offset, a.size, move.dst, b.offset)
+            for slot in range(src.layer_slots) for a, b in merged]
+
+
+def _merge_runs(runs: list[tuple[ByteRange, ByteRange]]) -> list[tuple[ByteRange, ByteRange]]:
+    """Drop empty runs and join each run to the previous one where both sides continue it."""
+    merged: list[tuple[ByteRange, ByteRange]] = []
+    for a, b in runs:
+        if not a.size:
+            continue
+        if merged and merged[-1][0].end == a.offset and merged[-1][1].end == b.offset:
+            last_a, last_b = merged.pop()
+            a = ByteRange(last_a.offset, last_a.size + a.size)
+            b = ByteRange(last_b.offset, last_b.size + b.size)
+        merged.append((a, b))
+    return merged
 
 
 def _mla_streams(src: PageLayout, move: PageMove) -> list[Stream]:

@@ -3,7 +3,7 @@
 One connection carries any number of requests, one after the other:
 
 - puller -> source: one `framing` frame, `StreamRequest` {token, streams}: the (page, layer slot,
-  head range) streams of `gpu_pool.streams.plan_fetch`, as rows
+  byte run) streams of `gpu_pool.streams.plan_fetch`, as rows
   `[src_page, slot, src_offset, nbytes, dst_page, dst_offset]`;
 - source -> puller: a reply frame (`StreamsAccepted`, or an error frame), then for each stream in
   order a fixed `STREAM_HEADER` (destination page, layer slot, byte offset in the slot, nbytes)

@@ -6,9 +6,9 @@ CUDA (or under `TRITON_INTERPRET=1` on CPU) and otherwise falls back to its refe
 numpy record views of the same memory on CPU), returning which backend ran.
 
 Re-sharding between tensor-parallel degrees needs no kernel: heads are stored in ascending order in
-every rank's layout, so the heads two ranks share are one byte run on each side, and the transfer
-path (`gpu_pool.streams.plan_fetch`) reads it at its source offset and writes it at its
-destination offset.
+every rank's layout, so the heads two ranks share are one run of recurrent bytes and three runs of
+conv rows (q, k, v) on each side, and the transfer path (`gpu_pool.streams.plan_fetch`) reads each
+at its source offset and writes it at its destination offset.
 """
 
 from kernels._launch import Backend

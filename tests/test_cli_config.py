@@ -40,9 +40,15 @@ def show_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 def test_kimi_k3_preset(capsys: pytest.CaptureFixture[str]) -> None:
     described = show_json(capsys, "--preset", "kimi-k3")
     assert described["page_bytes"] == 7077888  # 6,144 tokens x 576 bf16 latents
-    assert described["kda_page_bytes"] == 96 * 128 * 128 * 2
-    assert described["kda_padding_fraction"] == pytest.approx(0.5556, abs=1e-4)
+    # per layer: the kernel-4 conv rows of 3 x 96 x 128 q/k/v channels, then 96 heads' states
+    assert described["kda_conv_bytes"] == 3 * 96 * 128 * 3 * 2 == 221184
+    assert described["kda_recurrent_bytes"] == 96 * 128 * 128 * 2
+    assert described["kda_page_bytes"] == 221184 + 96 * 128 * 128 * 2 == 3366912
+    assert described["kda_padding_fraction"] == pytest.approx(0.5243, abs=1e-4)
     assert described["mla_padding_fraction"] == 0.0
+    assert described["checkpoint_conv_bytes"] == 69 * 221184
+    assert described["checkpoint_recurrent_bytes"] == 69 * 96 * 128 * 128 * 2  # the seed's 217 MB
+    assert described["checkpoint_bytes_unpadded"] == 69 * 3366912
     assert described["model"]["kda_groups"] * described["model"]["layers_per_group"] == 69
     assert described["cache"] == {"hash_block_tokens": 512, "page_tokens": 6144,
                                   "page_alignment": 4096, "num_pages": 4096, "max_batch": 256,
@@ -52,15 +58,18 @@ def test_kimi_k3_preset(capsys: pytest.CaptureFixture[str]) -> None:
 def test_tiny_preset_is_the_default(capsys: pytest.CaptureFixture[str]) -> None:
     described = show_json(capsys)
     assert described["model"]["name"] == "tiny"
-    assert described["page_bytes"] == 4096
-    assert described["kda_padding_fraction"] == 0.0 == described["mla_padding_fraction"]
+    # 192 conv channels x 3 fp32 + 4 heads x 16 x 16 fp32 = 6,400 bytes, rounded up to 512
+    assert described["kda_page_bytes"] == 2304 + 4096
+    assert described["page_bytes"] == 6656
+    assert described["kda_padding_fraction"] == pytest.approx(1 - 6400 / 6656, abs=1e-4)
+    assert described["mla_padding_fraction"] == pytest.approx(1 - 4096 / 6656, abs=1e-4)
 
 
 def test_set_overrides_a_field(capsys: pytest.CaptureFixture[str]) -> None:
     described = show_json(capsys, "--preset", "kimi-k3", "--set", "model.tp_degree=4",
                           "--set", "cache.hash_algo=sha256")
     assert described["model"]["tp_degree"] == 4
-    assert described["kda_page_bytes"] == 24 * 128 * 128 * 2
+    assert described["kda_page_bytes"] == 3 * 24 * 128 * 3 * 2 + 24 * 128 * 128 * 2
     assert described["cache"]["hash_algo"] == "sha256"
 
 
@@ -84,7 +93,7 @@ def test_toml_file_overrides_the_preset(capsys: pytest.CaptureFixture[str], tmp_
     assert described["model"]["kda_heads"] == 8
     assert described["cache"]["page_tokens"] == 128
     assert described["cache"]["num_pages"] == 9
-    assert described["kda_page_bytes"] == 8 * 16 * 16 * 4
+    assert described["kda_page_bytes"] == 3 * 8 * 16 * 3 * 4 + 8 * 16 * 16 * 4
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -118,8 +118,10 @@ async def test_a_turn_that_ends_on_another_requests_intermediate_keeps_it(redis,
     assert hits == {("a", 0): 0, ("b", 0): 16, ("b", 1): 16}
 
 
-async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redis_url):
-    """The check can fail: one byte range of the checkpoint a later turn restores is scribbled."""
+@pytest.mark.parametrize("part", ["conv", "recurrent"])
+async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redis_url, part):
+    """The check can fail: 40 bytes of one part of one layer's state in the checkpoint a later turn
+    restores are scribbled (the conv rows of a few v channels, or one head's recurrent matrix)."""
     first = [0, *range(1000, 1100)]
     follow_up = first + list(range(5000, 5040))
     async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
@@ -127,7 +129,11 @@ async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redi
         state = await read_pool(redis, pool_keys(pool_id))
         (lead,) = state.ck.values()
         page = state.pages[lead]["pages"][1]              # the second KDA group's page
-        pool.buffer[0, page, 100:140] += 1                # 40 bytes of one layer's state
+        layout = pool.layout
+        (_, _, (_, v_rows)), = [layout.conv_rows(range(1, 2))]
+        start = (layout.conv_range(v_rows) if part == "conv" else layout.kda_head_range(1)).offset
+        assert (start + 40 <= layout.recurrent_offset) == (part == "conv")
+        pool.buffer[0, page, start:start + 40] += 1
         served = await serve(tier, pool_id, pool, config, [Session("b", [follow_up], [0])])
     (result,) = served.results
     assert result.hit_tokens == len(first) // 16 * 16

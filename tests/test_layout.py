@@ -27,13 +27,17 @@ def test_one_page_size_holds_either_type(layout: PageLayout) -> None:
                                    geo.page_bytes)
 
 
-def test_tiny_pages_are_full_for_both_types() -> None:
-    assert TINY.page_bytes == TINY.geometry.mla_page_bytes == TINY.geometry.kda_page_bytes == 4096
+def test_a_tiny_kda_page_holds_the_conv_rows_then_the_recurrent_part() -> None:
+    assert TINY.recurrent_offset == 4 * (16 + 16 + 16) * 3 * 4 == 2304  # 192 channels x 3 fp32
+    assert TINY.geometry.kda_page_bytes == 2304 + 4 * 16 * 16 * 4
+    assert TINY.geometry.mla_page_bytes == 64 * 16 * 4
+    assert TINY.page_bytes == 6656  # 6,400 rounded up to the 512-byte alignment
 
 
 def test_kimi_sizes_match_the_seed() -> None:
     assert KIMI.head_bytes == 128 * 128 * 2
-    assert KIMI.geometry.kda_page_bytes == 96 * 128 * 128 * 2
+    assert KIMI.recurrent_offset == 3 * 96 * 128 * 3 * 2  # kernel-4 bf16 conv over q, k, v
+    assert KIMI.geometry.kda_page_bytes == KIMI.recurrent_offset + 96 * 128 * 128 * 2
     assert KIMI.geometry.mla_page_bytes == 6144 * 576 * 2 == KIMI.page_bytes
 
 
@@ -43,18 +47,46 @@ def test_head_streams_tile_each_ranks_kda_page(tp_degree: int) -> None:
     for rank in range(tp_degree):
         heads = layout.rank_heads(rank)
         streams = [layout.kda_head_range(h, rank) for h in heads]
-        assert streams[0].offset == 0
+        assert streams[0].offset == layout.recurrent_offset
         assert all(a.end == b.offset for a, b in zip(streams, streams[1:]))
         assert streams[-1].end == layout.geometry.kda_page_bytes
         assert not any(a.overlaps(b) for a, b in zip(streams, streams[1:]))
 
 
+@pytest.mark.parametrize("tp_degree", [1, 2, 4, 8, 3], ids=lambda d: f"tp{d}")
+def test_conv_rows_of_each_head_tile_each_ranks_conv_block(tp_degree: int) -> None:
+    layout = kimi_at(tp_degree)
+    for rank in range(tp_degree):
+        runs = [layout.conv_range(local) for h in layout.rank_heads(rank)
+                for _, local in layout.conv_rows(range(h, h + 1), rank)]
+        runs.sort(key=lambda r: r.offset)
+        assert runs[0].offset == 0 and runs[-1].end == layout.recurrent_offset
+        assert all(a.end == b.offset for a, b in zip(runs, runs[1:]))
+
+
 def test_head_stream_offsets_are_exact() -> None:
     layout = kimi_at(4)
+    conv = 3 * 24 * 128 * 3 * 2
     assert layout.rank_heads(2) == range(48, 72)
-    assert layout.kda_head_range(48, rank=2) == ByteRange(0, 32768)
-    assert layout.kda_head_range(50, rank=2) == ByteRange(2 * 32768, 32768)
-    assert TINY.kda_head_range(3) == ByteRange(3 * 1024, 1024)
+    assert layout.recurrent_offset == conv
+    assert layout.kda_head_range(48, rank=2) == ByteRange(conv, 32768)
+    assert layout.kda_head_range(50, rank=2) == ByteRange(conv + 2 * 32768, 32768)
+    assert TINY.kda_head_range(3) == ByteRange(2304 + 3 * 1024, 1024)
+
+
+def test_conv_rows_of_a_head_run_are_its_q_k_and_v_channels() -> None:
+    layout = kimi_at(4)  # rank 2 holds heads 48..71: 3,072 channels in each of q, k, v
+    q, k, v = 96 * 128, 2 * 96 * 128, 3 * 96 * 128
+    assert layout.conv_rows(range(50, 52), rank=2) == [
+        (range(50 * 128, 52 * 128), range(2 * 128, 4 * 128)),
+        (range(q + 50 * 128, q + 52 * 128), range(3072 + 2 * 128, 3072 + 4 * 128)),
+        (range(k + 50 * 128, k + 52 * 128), range(6144 + 2 * 128, 6144 + 4 * 128))]
+    assert v == layout.model.conv_channels
+    assert layout.conv_range(range(3072, 3200)) == ByteRange(3072 * 6, 128 * 6)
+    with pytest.raises(ValueError, match="not all on rank 2"):
+        layout.conv_rows(range(70, 73), rank=2)
+    with pytest.raises(ValueError, match="outside a 9216-channel conv block"):
+        layout.conv_range(range(9000, 9217))
 
 
 @pytest.mark.parametrize("head, rank", [(0, 1), (24, 0), (96, 3)], ids=["below", "above", "past-end"])
@@ -91,11 +123,12 @@ def test_bad_token_ranges_are_rejected(start: int, stop: int) -> None:
 
 def test_buffer_range_addresses_slot_then_page() -> None:
     within = TINY.kda_head_range(2)
-    assert TINY.buffer_range(page=5, slot=1, within=within) == ByteRange((256 + 5) * 4096 + 2048, 1024)
+    assert TINY.buffer_range(page=5, slot=1, within=within) == ByteRange(
+        (256 + 5) * 6656 + 2304 + 2048, 1024)
 
 
 @pytest.mark.parametrize("page, slot, within", [
-    (256, 0, ByteRange(0, 1)), (0, 2, ByteRange(0, 1)), (0, 0, ByteRange(4000, 100)),
+    (256, 0, ByteRange(0, 1)), (0, 2, ByteRange(0, 1)), (0, 0, ByteRange(6600, 100)),
 ], ids=["page", "slot", "bytes"])
 def test_buffer_range_rejects_out_of_range(page: int, slot: int, within: ByteRange) -> None:
     with pytest.raises(ValueError):
@@ -103,8 +136,15 @@ def test_buffer_range_rejects_out_of_range(page: int, slot: int, within: ByteRan
 
 
 def test_misaligned_page_size_is_rejected() -> None:
-    model = ModelSpec(kda_heads=1, kda_head_k_dim=1, kda_head_v_dim=1, mla_latent_dim=3,
-                      mla_dtype="bfloat16")
+    model = ModelSpec(kda_heads=1, kda_head_k_dim=1, kda_head_v_dim=1, conv_kernel=1,
+                      mla_latent_dim=3, mla_dtype="bfloat16")
     cache = CacheSpec(hash_block_tokens=1, page_tokens=3, page_alignment=1)
     with pytest.raises(ValueError, match="misaligned"):
+        PageLayout.from_specs(model, cache)
+
+
+def test_a_conv_block_that_would_misalign_the_recurrent_part_is_rejected() -> None:
+    model = ModelSpec(kda_heads=1, kda_head_k_dim=1, kda_head_v_dim=1, conv_dtype="bfloat16")
+    cache = CacheSpec(hash_block_tokens=1, page_tokens=1, page_alignment=64)
+    with pytest.raises(ValueError, match="18-byte conv block"):  # 3 channels x 3 bf16
         PageLayout.from_specs(model, cache)

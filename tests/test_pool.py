@@ -18,8 +18,8 @@ from gpu_pool import PageKind, PageKindError, PagedPool, PoolHandle
 from gpu_pool.sharing import HostShm
 
 TINY = PRESETS["tiny"]
-BF16_MODEL = dataclasses.replace(TINY.model, kda_state_dtype="bfloat16", mla_dtype="bfloat16",
-                                 mla_latent_dim=32)
+BF16_MODEL = dataclasses.replace(TINY.model, kda_state_dtype="bfloat16", conv_dtype="bfloat16",
+                                 mla_dtype="bfloat16", mla_latent_dim=32)
 SMALL_CACHE = dataclasses.replace(TINY.cache, num_pages=8)
 BY_DTYPE = pytest.mark.parametrize("pool", [(TINY.model, False), (BF16_MODEL, False)],
                                    ids=["fp32", "bf16"], indirect=True)
@@ -44,10 +44,11 @@ def pool(request: pytest.FixtureRequest) -> Iterator[PagedPool]:
 
 
 def test_views_have_the_layout_shapes_and_dtypes(pool: PagedPool) -> None:
-    assert pool.buffer.shape == (2, 8, 4096) and pool.buffer.dtype == torch.uint8
+    assert pool.buffer.shape == (2, 8, 6656) and pool.buffer.dtype == torch.uint8
     assert pool.mla_view(1).shape == (2, 64, 16) and pool.mla_view(1).dtype == torch.float32
     assert pool.kda_view(1).shape == (2, 4, 16, 16)
     assert pool.kda_view(1, heads=slice(1, 3)).shape == (2, 2, 16, 16)
+    assert pool.conv_view(1).shape == (2, 192, 3) and pool.conv_view(1).dtype == torch.float32
 
 
 def test_views_alias_the_buffer_at_the_layout_offsets(pool: PagedPool) -> None:
@@ -75,6 +76,19 @@ def test_kda_head_stream_bytes_sit_where_the_layout_says(pool: PagedPool) -> Non
 
 
 @BY_DTYPE
+def test_conv_rows_sit_channel_major_before_the_recurrent_part(pool: PagedPool) -> None:
+    layout = pool.layout
+    conv = pattern(tuple(pool.conv_view(2).shape), layout.conv_dtype, seed=5)
+    state = pattern((2, 4, 16, 16), layout.kda_dtype, seed=6)
+    pool.conv_view(2).copy_(conv)
+    pool.kda_view(2).copy_(state)
+    for slot in range(2):
+        block = pool.buffer[slot, 2, :layout.recurrent_offset]
+        assert torch.equal(block, conv[slot].contiguous().view(-1).view(torch.uint8))
+    assert torch.equal(pool.conv_view(2), conv)  # the recurrent write left the conv rows alone
+
+
+@BY_DTYPE
 def test_first_tokens_of_an_mla_page_are_a_byte_prefix(pool: PagedPool) -> None:
     layout = pool.layout
     latents = pattern(tuple(pool.mla_view(4).shape), layout.mla_dtype, seed=2)
@@ -86,8 +100,9 @@ def test_first_tokens_of_an_mla_page_are_a_byte_prefix(pool: PagedPool) -> None:
 
 
 @pytest.mark.parametrize("tagged, read", [
-    (PageKind.KDA, "mla_view"), (PageKind.MLA, "kda_view"), (PageKind.UNTAGGED, "mla_view"),
-], ids=["kda-read-as-mla", "mla-read-as-kda", "untagged-read"])
+    (PageKind.KDA, "mla_view"), (PageKind.MLA, "kda_view"), (PageKind.MLA, "conv_view"),
+    (PageKind.UNTAGGED, "mla_view"),
+], ids=["kda-read-as-mla", "mla-read-as-kda", "mla-read-as-conv", "untagged-read"])
 @DEBUG
 def test_debug_mode_rejects_mismatched_views(pool: PagedPool, tagged: PageKind, read: str) -> None:
     pool.tag(1, tagged)
@@ -106,15 +121,21 @@ def test_debug_mode_allows_matching_views(pool: PagedPool) -> None:
 
 @BY_DTYPE
 def test_type_confused_reads_give_visibly_different_data(pool: PagedPool) -> None:
-    """Same bytes, other layout: per slot, a permutation of the values, never a plausible reshape."""
-    state = pattern((2, 4, 16, 16), pool.layout.kda_dtype, seed=3)
+    """Same bytes, other layout: a KDA page read as MLA tokens gives the conv rows, then each head's
+    state transposed, never a plausible reshape of the state; an MLA page read as KDA heads starts
+    at other bytes."""
+    layout = pool.layout
+    state = pattern((2, 4, 16, 16), layout.kda_dtype, seed=3)
     pool.kda_view(1).copy_(state)
-    as_mla = pool.mla_view(1).reshape(2, -1)[:, :1024].float()
-    assert not torch.allclose(as_mla, state.reshape(2, -1).float())
-    assert torch.equal(as_mla.sort().values, state.reshape(2, -1).float().sort().values)
+    assert layout.recurrent_offset % layout.geometry.mla_token_bytes == 0
+    first_token = layout.recurrent_offset // layout.geometry.mla_token_bytes
+    tokens = layout.head_bytes // layout.geometry.mla_token_bytes
+    head0 = pool.mla_view(1)[:, first_token:first_token + tokens]  # head 0's bytes as tokens
+    assert not torch.allclose(head0.float(), state[:, 0].float().reshape(head0.shape))
+    assert torch.equal(head0.float(), state[:, 0].transpose(1, 2).float().reshape(head0.shape))
     latents = pattern(tuple(pool.mla_view(2).shape), pool.layout.mla_dtype, seed=4)
     pool.mla_view(2).copy_(latents)
-    as_kda = pool.kda_view(2).reshape(2, -1).float()
+    as_kda = pool.kda_view(2).reshape(2, -1)[:, :1024].float()
     assert not torch.allclose(as_kda, latents.reshape(2, -1)[:, :1024].float())
 
 
@@ -132,6 +153,8 @@ def test_kda_view_on_a_model_without_kda_is_rejected() -> None:
     with PagedPool.create(model, CacheSpec(num_pages=2)) as p:
         with pytest.raises(ValueError, match="no KDA"):
             p.kda_view(0)
+        with pytest.raises(ValueError, match="no KDA"):
+            p.conv_view(0)
 
 
 def test_handle_pickles_and_attaches_in_process(pool: PagedPool) -> None:

@@ -162,8 +162,9 @@ async def test_a_hit_restores_the_checkpoint_bytes_on_the_agent(tier, worker, re
     view = worker.view
     restores = [c for c in step.copies if c.dst in step.state_pages]
     assert [c.src for c in restores] == first.checkpoint_pages
-    for c in restores:
-        assert torch.equal(view.buffer[:, c.dst], worker.written[c.src])
+    for c in restores:  # both parts of every layer's state; the page's padding is not state
+        assert c.nbytes == view.layout.geometry.kda_page_bytes
+        assert torch.equal(view.buffer[:, c.dst, :c.nbytes], worker.written[c.src][:, :c.nbytes])
     (cow,) = [c for c in step.copies if c.dst not in step.state_pages]
     assert cow.src == first.mla_pages[0][1] and cow.nbytes == 32 * TINY.model.mla_token_bytes
     expected = torch.tensor(DOC[64:96], dtype=torch.float32)[None, :, None]
@@ -446,7 +447,9 @@ async def test_cli_serve_and_agent_end_to_end(tmp_path):
                 plan = await tier.plan("p", [new_request("b", probe, len(probe), BLOCK)])
                 restore = plan.requests[0].copies[0]
                 assert restore.src == first.checkpoint_pages[0]
-                assert torch.equal(worker.view.buffer[:, restore.dst], worker.written[restore.src])
+                assert restore.nbytes == worker.view.layout.geometry.kda_page_bytes
+                assert torch.equal(worker.view.buffer[:, restore.dst, :restore.nbytes],
+                                   worker.written[restore.src][:, :restore.nbytes])
             assert stop(agent) == 0 and stop(serve) == 0
         finally:
             for proc in (agent, serve):

@@ -26,6 +26,7 @@ from index.records import PageCopy, RequestPlan
 from kernels import page_copy
 from tinymodel import (ChunkError, ChunkRequest, PoolMismatch, TinyHybrid, UnsupportedModel, ops,
                        outputs_match)
+from tinymodel.state import KdaState
 
 TINY = load_config("tiny")
 BLOCK, PAGE = TINY.cache.hash_block_tokens, TINY.cache.page_tokens
@@ -164,45 +165,90 @@ def test_chunked_forward_through_the_pool_matches_recompute(
         assert outputs_match(out, reference[at:stop]), f"checkpoint at {at}"
 
 
-def per_token_kda(model: TinyHybrid, hidden: torch.Tensor, state: torch.Tensor,
-                  split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gated delta rule token by token, in float64: the definition `ops.kda_span` computes in
-    blocks. Returns (hidden out, final state, state after `split` tokens)."""
+def per_token_kda(model: TinyHybrid, hidden: torch.Tensor, state: KdaState,
+                  split: int) -> tuple[torch.Tensor, KdaState, KdaState]:
+    """The short convolution and the gated delta rule token by token, in float64: the definition
+    `ops.kda_span` computes in blocks. Returns (hidden out, final state, state after `split`
+    tokens)."""
     dims, w = model.dims, model.weights.kda[0][0]
     heads, k_dim, v_dim = dims.kda_heads, dims.kda_k, dims.kda_v
     x = torch.nn.functional.rms_norm(hidden.double(), (dims.d_model,), w.norm.double(), 1e-6)
-    qk, v, gate, strength = (x @ w.w_in.double()).split(
-        (2 * heads * k_dim, heads * v_dim, heads * k_dim, heads), dim=-1)
-    q, k = torch.nn.functional.normalize(qk.view(-1, 2, heads, k_dim), dim=-1).unbind(1)
+    qkv, gate, strength = (x @ w.w_in.double()).split(
+        (dims.conv_channels, heads * k_dim, heads), dim=-1)
     decay = torch.sigmoid(gate.view(-1, heads, k_dim, 1) + w.a_bias.double())
     beta = torch.sigmoid(strength)
-    s, reads, snapshot = state.double(), [], None
+    rows, s, reads, snapshot = state.conv.double(), state.recurrent.double(), [], None
     for t in range(hidden.shape[0]):
+        window = torch.cat((rows, qkv[t].unsqueeze(1)), dim=1)  # [C, kernel], oldest first
+        mixed = torch.nn.functional.silu((window * w.conv.double()).sum(dim=1))
+        rows = window[:, 1:]
+        qk, v = mixed.split((2 * heads * k_dim, heads * v_dim))
+        q, k = torch.nn.functional.normalize(qk.view(2, heads, k_dim), dim=-1).unbind(0)
         s = s * decay[t]
-        error = v[t].view(heads, v_dim) - torch.einsum("hk,hkv->hv", k[t], s)
-        s = s + beta[t].view(heads, 1, 1) * k[t].unsqueeze(-1) * error.unsqueeze(1)
-        reads.append(torch.einsum("hk,hkv->hv", q[t], s).reshape(-1))
-        snapshot = s if t + 1 == split else snapshot
-    return hidden.double() + torch.stack(reads) @ w.wo.double(), s, snapshot
+        error = v.view(heads, v_dim) - torch.einsum("hk,hkv->hv", k, s)
+        s = s + beta[t].view(heads, 1, 1) * k.unsqueeze(-1) * error.unsqueeze(1)
+        reads.append(torch.einsum("hk,hkv->hv", q, s).reshape(-1))
+        snapshot = KdaState(rows, s) if t + 1 == split else snapshot
+    return hidden.double() + torch.stack(reads) @ w.wo.double(), KdaState(rows, s), snapshot
 
 
+@pytest.mark.parametrize("split_at", ["inside", "straddling"])
 @pytest.mark.parametrize("block, max_log_decay", [(64, 60.0), (7, 60.0), (64, 0.3)],
                          ids=["one-block", "many-blocks", "halved-blocks"])
 @pytest.mark.parametrize("steps", [1, 24, 90])
 def test_the_blockwise_kda_is_the_token_by_token_recurrence(
         model: TinyHybrid, monkeypatch: pytest.MonkeyPatch, block: int, max_log_decay: float,
-        steps: int) -> None:
+        steps: int, split_at: str) -> None:
+    """Also when the snapshot falls fewer than `kernel - 1` tokens into the span: its conv rows
+    then straddle the span's start (some come from the state the span started from)."""
     monkeypatch.setattr(ops, "KDA_BLOCK", block)
     monkeypatch.setattr(ops, "MAX_BLOCK_LOG_DECAY", max_log_decay)
     gen = torch.Generator().manual_seed(steps)
-    hidden = torch.randn(steps, model.dims.d_model, generator=gen)
-    state = 0.3 * torch.randn(model.dims.kda_heads, model.dims.kda_k, model.dims.kda_v,
-                              generator=gen)
-    split = steps // 3 + 1
-    out, final, snapshot = ops.kda_span(model.weights.kda[0][0], model.dims, hidden, state, split)
-    expected = per_token_kda(model, hidden, state, split)
-    for actual, wanted in zip((out, final, snapshot), expected, strict=True):
+    dims = model.dims
+    hidden = torch.randn(steps, dims.d_model, generator=gen)
+    state = KdaState(torch.randn(dims.conv_channels, dims.conv_kernel - 1, generator=gen),
+                     0.3 * torch.randn(dims.kda_heads, dims.kda_k, dims.kda_v, generator=gen))
+    split = steps // 3 + 1 if split_at == "inside" else min(steps, dims.conv_kernel - 2)
+    out, final, snapshot = ops.kda_span(model.weights.kda[0][0], dims, hidden, state, split)
+    expected_out, expected_final, expected_snapshot = per_token_kda(model, hidden, state, split)
+    pairs = [(out, expected_out), (final.conv, expected_final.conv),
+             (final.recurrent, expected_final.recurrent), (snapshot.conv, expected_snapshot.conv),
+             (snapshot.recurrent, expected_snapshot.recurrent)]
+    for actual, wanted in pairs:
         assert torch.allclose(actual.double(), wanted, rtol=1e-5, atol=1e-5)
+
+
+def test_a_snapshot_inside_a_chunk_keeps_the_conv_rows_across_the_chunk_boundary(
+        model: TinyHybrid, rank_pools: RankPools, reference: torch.Tensor) -> None:
+    """A chunk [30, 33) snapshots at 32: the snapshot's conv rows are the inputs at 29, 30, 31,
+    and the one at 29 comes from the state the chunk started from."""
+    [pool] = rank_pools(1, 10)
+    outputs, snapshots = prefill(model, pool, PROMPT[:33], [0, 30, 33], [[0]], [1, 2, 3],
+                                 iter(range(4, 10)))
+    assert outputs_match(outputs, reference[:33]) and list(snapshots) == [16, 32]
+    for slot in range(model.dims.blocks):  # the conv inputs at 29..31 of slot `slot` of group 0
+        layer = model.weights.kda[0][slot]
+        inputs = ops.rms_norm(hidden_before(model, slot), layer.norm) @ layer.w_in
+        rows = inputs[29:32, :model.dims.conv_channels].T
+        assert torch.allclose(pool.conv_view(snapshots[32][0])[slot], rows, rtol=1e-5, atol=1e-5)
+    restore(pool, snapshots[32], [1, 2, 3])
+    [out] = model.forward(pool, [ChunkRequest(PROMPT, 32, 40, [[0]], [1, 2, 3])])
+    assert outputs_match(out, reference[32:40])
+
+
+def hidden_before(model: TinyHybrid, slot: int) -> torch.Tensor:
+    """The input of KDA group 0's layer `slot` over PROMPT[:32], computed cold."""
+    dims, w = model.dims, model.weights
+    hidden = w.embed[torch.from_numpy(PROMPT[:32].astype(np.int64) % dims.vocab)]
+    for block in range(slot + 1):
+        if block == slot:
+            return hidden
+        for group in range(dims.kda_groups):
+            hidden, _, _ = ops.kda_span(w.kda[group][block], dims, hidden, KdaState.zeros(dims))
+        for group in range(dims.mla_groups):
+            rows = ops.mla_rows(w.mla[group][block], hidden, 0)
+            hidden = ops.mla_span(w.mla[group][block], dims, hidden, 0, rows)
+    raise AssertionError("unreachable")
 
 
 @pytest.mark.parametrize("at", [32, 64, 96, 128, 144])
@@ -247,6 +293,27 @@ def test_a_corrupt_checkpoint_byte_range_changes_the_outputs(
     head_range = pool.layout.kda_head_range(head)
     corrupt(pool, checkpoint[group], slot, head_range if within is None
             else ByteRange(head_range.offset + within.offset, within.size))
+    state = take(page_ids, 3)
+    restore(pool, checkpoint, state)
+    [out] = model.forward(pool, [ChunkRequest(PROMPT, 96, 110, prefilled.mla, state)])
+    assert not outputs_match(out, reference[96:110])
+
+
+@pytest.mark.parametrize("group, slot, head, part, channel", [
+    (0, 0, 0, 0, 0), (1, 1, 3, 1, 15), (2, 0, 2, 2, 7),
+], ids=["q-row", "k-row", "v-row"])
+def test_corrupt_conv_rows_alone_change_the_outputs(
+        model: TinyHybrid, pool: PagedPool, page_ids: Iterator[int], prefilled: Prefilled,
+        reference: torch.Tensor, group: int, slot: int, head: int, part: int,
+        channel: int) -> None:
+    """One conv channel's rows of one head in one layer, the recurrent part left intact: a
+    checkpoint that restored only the recurrent matrix would pass this test."""
+    checkpoint = take(page_ids, 3)
+    restore(pool, prefilled.snapshots[96], checkpoint)
+    _, local = pool.layout.conv_rows(range(head, head + 1))[part]
+    rows = pool.layout.conv_range(local[channel:channel + 1])
+    assert rows.end <= pool.layout.recurrent_offset
+    corrupt(pool, checkpoint[group], slot, rows)
     state = take(page_ids, 3)
     restore(pool, checkpoint, state)
     [out] = model.forward(pool, [ChunkRequest(PROMPT, 96, 110, prefilled.mla, state)])
@@ -305,6 +372,7 @@ def test_the_model_sizes_are_the_pool_layout(model: TinyHybrid, pool: PagedPool)
 @pytest.mark.parametrize("change, message", [
     ({"mla_dtype": "bfloat16"}, "mla_dtype='bfloat16'"),
     ({"kda_state_dtype": "bfloat16"}, "kda_state_dtype='bfloat16'"),
+    ({"conv_dtype": "bfloat16"}, "conv_dtype='bfloat16'"),
     ({"mla_latent_dim": 4}, "no latent beside rope_dim=4"),
 ])
 def test_a_spec_the_model_cannot_serve_is_refused(change: dict[str, object], message: str) -> None:
@@ -396,8 +464,8 @@ def test_a_tensor_parallel_forward_matches_recompute(model: TinyHybrid, referenc
 def test_each_rank_pool_holds_exactly_its_heads(model: TinyHybrid,
                                                 rank_pools: RankPools) -> None:
     """The same chunks on one TP=1 pool and on two TP=2 pools (full of stale bytes): rank r's KDA
-    pages hold the TP=1 bytes of its heads at its own head offsets, its MLA pages the same rows,
-    and no other byte changes."""
+    pages hold the TP=1 bytes of its heads (recurrent matrices and q, k, v conv rows) at its own
+    offsets, its MLA pages the same rows, and no other byte changes."""
     [single], pools = rank_pools(1, 11), rank_pools(2, 11)
     before = [fill_with_garbage(pool, seed=rank) for rank, pool in enumerate(pools)]
     bounds, mla, state = [0, 23, 80], [[0, 1]], [2, 3, 4]
@@ -412,6 +480,9 @@ def test_each_rank_pool_holds_exactly_its_heads(model: TinyHybrid,
             for page, head in itertools.product(kda_pages, pool.layout.rank_heads(rank)):
                 put(expected, pool, single, page, slot, pool.layout.kda_head_range(head, rank),
                     single.layout.kda_head_range(head))
+                for ours, theirs in pool.layout.conv_rows(range(head, head + 1), rank):
+                    put(expected, pool, single, page, slot, pool.layout.conv_range(theirs),
+                        single.layout.conv_range(ours))
             for page, tokens in mla_rows:
                 put(expected, pool, single, page, slot, tokens, tokens)
         assert torch.equal(pool.buffer.view(-1), expected), f"rank {rank}"

@@ -30,13 +30,14 @@ from gpu_pool import PageKind, PageLayout, PagedPool
 from gpu_pool.streams import PageMove, Stream, plan_fetch
 from gpu_pool.transfer import (STREAM_HEADER, BadStreamHeader, PageServer, StreamsAccepted, fetch,
                                pull)
-from tests.tp_cases import (CACHE, DST_PAGES, EIGHT_HEADS, NINETY_SIX_HEADS, SRC_PAGES, full_states,
-                            rank_pools, shard)
+from tests.tp_cases import (CACHE, DST_PAGES, EIGHT_HEADS, NINETY_SIX_HEADS, SRC_PAGES, States,
+                            full_states, rank_pools, shard, write_rank)
 
 TOKEN = "peer-token"
 MLA_SRC = [1, 2, 4]
 MLA_DST = [0, 3, 5]
 MLA_TOKENS = [8, 3, 8]  # the middle page is a partly filled one: only its token prefix moves
+PAGE_BYTES = PageLayout.from_specs(EIGHT_HEADS, CACHE).page_bytes
 
 RESHARDS = [
     pytest.param(EIGHT_HEADS, 1, 1, id="1->1"),
@@ -47,10 +48,13 @@ RESHARDS = [
     pytest.param(NINETY_SIX_HEADS, 1, 3, id="96heads-1->3"),
     pytest.param(NINETY_SIX_HEADS, 3, 2, id="96heads-3->2"),
     pytest.param(NINETY_SIX_HEADS, 2, 3, id="96heads-2->3"),
-    pytest.param(dataclasses.replace(EIGHT_HEADS, kda_state_dtype="bfloat16"), 2, 4,
-                 id="bf16-2->4"),
-    pytest.param(dataclasses.replace(NINETY_SIX_HEADS, kda_state_dtype="bfloat16"), 3, 2,
-                 id="96heads-bf16-3->2"),
+    pytest.param(dataclasses.replace(EIGHT_HEADS, kda_state_dtype="bfloat16",
+                                     conv_dtype="bfloat16"), 2, 4, id="bf16-2->4"),
+    pytest.param(dataclasses.replace(NINETY_SIX_HEADS, kda_state_dtype="bfloat16",
+                                     conv_dtype="bfloat16"), 3, 2, id="96heads-bf16-3->2"),
+    pytest.param(dataclasses.replace(EIGHT_HEADS, conv_dtype="bfloat16"), 4, 2,
+                 id="bf16-conv-fp32-state-4->2"),
+    pytest.param(dataclasses.replace(EIGHT_HEADS, conv_kernel=1), 2, 4, id="no-conv-2->4"),
 ]
 
 
@@ -92,21 +96,20 @@ def garbage(pool: PagedPool, seed: int) -> torch.Tensor:
     return data
 
 
-def expected_buffer(model: ModelSpec, rank: int, before: torch.Tensor, states: torch.Tensor,
+def expected_buffer(model: ModelSpec, rank: int, before: torch.Tensor, states: States,
                     latents: torch.Tensor) -> torch.Tensor:
     """The destination rank's buffer as it must be: its garbage, with the moved pages written
     through a reference pool's typed views from the ground truth."""
     with PagedPool.create(model, CACHE) as ref:
         ref.buffer.copy_(before)
-        heads = ref.layout.rank_heads(rank)
         for i, page in enumerate(DST_PAGES):
-            ref.kda_view(page).copy_(states[i, :, heads.start:heads.stop])
+            write_rank(ref, rank, states, i, page)
         for i, (page, tokens) in enumerate(zip(MLA_DST, MLA_TOKENS)):
             ref.mla_view(page)[:, :tokens] = latents[i, :, :tokens]
         return ref.buffer.clone()
 
 
-def fill_sources(src_pools: list[PagedPool], states: torch.Tensor, latents: torch.Tensor) -> None:
+def fill_sources(src_pools: list[PagedPool], states: States, latents: torch.Tensor) -> None:
     shard(states, src_pools, SRC_PAGES)
     for pool in src_pools:  # the latent is replicated on every rank
         for i, page in enumerate(MLA_SRC):
@@ -130,19 +133,39 @@ async def test_every_destination_byte_is_the_reference(pools, model, src_degree,
     for rank, pool in enumerate(dst_pools):
         expected = expected_buffer(dst_model, rank, before[rank], states, latents)
         assert torch.equal(pool.buffer, expected), f"destination rank {rank}"
-    kda_bytes = len(SRC_PAGES) * model.layers_per_group * model.kda_heads * model.kda_head_bytes
+    state_bytes = (model.kda_heads * model.kda_head_bytes
+                   + model.conv_channels * model.conv_row_bytes)
+    kda_bytes = len(SRC_PAGES) * model.layers_per_group * state_bytes
     mla_bytes = sum(MLA_TOKENS) * model.mla_token_bytes * model.layers_per_group
     assert sum(received) == kda_bytes + dst_degree * mla_bytes   # each head once, MLA per rank
 
 
 def test_the_plan_pulls_each_shared_head_run_once_per_slot():
-    src = layout_of(NINETY_SIX_HEADS, 3)
-    dst = layout_of(NINETY_SIX_HEADS, 2)
+    """Per (slot, source rank): the run's q, k and v conv rows, then its recurrent bytes."""
+    src = layout_of(NINETY_SIX_HEADS, 3)  # 32 heads a rank, 2 + 2 + 4 conv channels a head
+    dst = layout_of(NINETY_SIX_HEADS, 2)  # 48 heads a rank
     plan = plan_fetch(src, dst, 1, [PageMove(5, 1, PageKind.KDA)])    # heads 48..95
-    hb = NINETY_SIX_HEADS.kda_head_bytes
+    hb, row = NINETY_SIX_HEADS.kda_head_bytes, NINETY_SIX_HEADS.conv_row_bytes
+    src_conv, dst_conv = 32 * 8 * row, 48 * 8 * row
     slots = NINETY_SIX_HEADS.layers_per_group
-    assert plan == {1: [Stream(5, s, 16 * hb, 16 * hb, 1, 0) for s in range(slots)],   # 48..63
-                    2: [Stream(5, s, 0, 32 * hb, 1, 16 * hb) for s in range(slots)]}   # 64..95
+
+    def runs(s: int, src_head: int, dst_head: int, heads: int) -> list[Stream]:
+        """q at 0, k after the rank's q channels, v after its k channels, on each side."""
+        return [Stream(5, s, src_head * 2 * row, heads * 2 * row, 1, dst_head * 2 * row),
+                Stream(5, s, (64 + src_head * 2) * row, heads * 2 * row, 1,
+                       (96 + dst_head * 2) * row),
+                Stream(5, s, (128 + src_head * 4) * row, heads * 4 * row, 1,
+                       (192 + dst_head * 4) * row),
+                Stream(5, s, src_conv + src_head * hb, heads * hb, 1, dst_conv + dst_head * hb)]
+    assert plan == {1: [x for s in range(slots) for x in runs(s, 16, 0, 16)],    # heads 48..63
+                    2: [x for s in range(slots) for x in runs(s, 0, 16, 32)]}    # heads 64..95
+
+
+def test_between_equal_degrees_a_kda_page_is_one_stream_per_slot():
+    layout = layout_of(EIGHT_HEADS, 2)
+    plan = plan_fetch(layout, layout, 1, [PageMove(5, 1, PageKind.KDA)])
+    whole = layout.geometry.kda_page_bytes
+    assert plan == {1: [Stream(5, s, 0, whole, 1, 0) for s in range(layout.layer_slots)]}
 
 
 def layout_of(model: ModelSpec, degree: int) -> PageLayout:
@@ -199,7 +222,7 @@ async def scripted_source(send: list[bytes]) -> AsyncIterator[str]:
 
 @pytest.mark.parametrize("header, message", [
     ((6, 0, 0, 64), "outside the destination layout"),             # page past the pool
-    ((1, 0, 960, 128), "outside the destination layout"),          # runs past the page
+    ((1, 0, PAGE_BYTES - 64, 128), "outside the destination layout"),  # runs past the page
     ((2, 0, 0, 64), "not the stream asked for"),                   # in bounds, not asked for
 ], ids=["page", "range", "unasked"])
 async def test_a_header_not_asked_for_is_refused_and_nothing_is_written(pools, header, message):

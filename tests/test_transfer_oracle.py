@@ -6,7 +6,8 @@ of TP degree d over the real transfer path (a `PageServer` per source rank, `pul
 destination rank, re-sharding the heads on the way), into pages of other ids whose stale bytes
 are garbage. The decode node restores the checkpoint into fresh state pages, runs the prompt's
 tail from B and then a few single-token decode steps: the outputs must equal `recompute` of the
-whole sequence from B. Skipping one head's stream of one layer must break that equality.
+whole sequence from B. Leaving out one head's recurrent bytes, or only its q conv rows, of one
+layer must break that equality.
 """
 
 from __future__ import annotations
@@ -147,8 +148,10 @@ async def test_decoding_resumed_on_another_tp_degree_matches_recompute(
     assert outputs_match(prefill(prefill_node, src), expected[:PROMPT_TOKENS])
     received = await move_checkpoint(src, dst, model)
     kda_bytes = model.kda_layers * model.kda_heads * model.kda_head_bytes
+    conv_bytes = model.kda_layers * model.conv_channels * model.conv_row_bytes
     mla_bytes = HIT * model.mla_token_bytes * model.layers_per_group
-    assert received == kda_bytes + dst_degree * mla_bytes  # each head once, the latent per rank
+    # both parts of each head once, the latent on every rank
+    assert received == conv_bytes + kda_bytes + dst_degree * mla_bytes
     for rank, pool in enumerate(dst):  # the model reads rank 0's rows: check the others here
         assert torch.equal(mla_prefix(pool, DST_MLA), mla_prefix(src[0], SRC_MLA)), f"rank {rank}"
     assert outputs_match(decode(decode_node, dst), expected[HIT:])
@@ -157,33 +160,37 @@ async def test_decoding_resumed_on_another_tp_degree_matches_recompute(
 Plan = Callable[[PageLayout, PageLayout, int, Sequence[PageMove]], dict[int, list[Stream]]]
 
 
-def skip_first_head(plan: Plan) -> Plan:
-    """`plan_fetch`, except that destination rank 0's first KDA stream (layer slot 0 of the first
-    checkpoint page) starts one head later: that head's state in that layer never arrives."""
+def skip_first_head(plan: Plan, part: str) -> Plan:
+    """`plan_fetch`, except that destination rank 0's first KDA stream of `part` (layer slot 0 of
+    the first checkpoint page) starts one head later: that head's recurrent state, or its q conv
+    rows, in that layer never arrive."""
     def planned(src: PageLayout, dst: PageLayout, dst_rank: int,
                 page_moves: Sequence[PageMove]) -> dict[int, list[Stream]]:
         by_rank = plan(src, dst, dst_rank, page_moves)
         if dst_rank:
             return by_rank
-        head = src.head_bytes
+        cut = src.head_bytes if part == "recurrent" else src.model.kda_head_k_dim * (
+            src.model.conv_row_bytes)
         for streams in by_rank.values():
             for i, s in enumerate(streams):
-                if s.dst_page in DST_CHECKPOINT:
-                    streams[i] = dataclasses.replace(s, src_offset=s.src_offset + head,
-                                                     nbytes=s.nbytes - head,
-                                                     dst_offset=s.dst_offset + head)
+                in_conv = s.dst_offset < dst.recurrent_offset
+                if s.dst_page in DST_CHECKPOINT and in_conv == (part == "conv"):
+                    streams[i] = dataclasses.replace(s, src_offset=s.src_offset + cut,
+                                                     nbytes=s.nbytes - cut,
+                                                     dst_offset=s.dst_offset + cut)
                     return by_rank
-        raise AssertionError("the plan has no KDA stream to cut")
+        raise AssertionError(f"the plan has no {part} stream to cut")
     return planned
 
 
+@pytest.mark.parametrize("part", ["recurrent", "conv"])
 @pytest.mark.parametrize("model, src_degree, dst_degree", [CASES[1], CASES[3], CASES[4]])
 async def test_a_head_stream_left_out_breaks_the_match(
         new_pools: NewPools, monkeypatch: pytest.MonkeyPatch, model: ModelSpec,
-        src_degree: int, dst_degree: int) -> None:
+        src_degree: int, dst_degree: int, part: str) -> None:
     src, dst = new_pools(model, src_degree), new_pools(model, dst_degree)
     prefill(TinyHybrid(src[0].layout.model), src)
-    monkeypatch.setattr(transfer, "plan_fetch", skip_first_head(transfer.plan_fetch))
+    monkeypatch.setattr(transfer, "plan_fetch", skip_first_head(transfer.plan_fetch, part))
     await move_checkpoint(src, dst, model)
     decode_node = TinyHybrid(dst[0].layout.model)
     assert not outputs_match(decode(decode_node, dst), decode_node.recompute(TOKENS)[HIT:])

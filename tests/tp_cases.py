@@ -1,6 +1,7 @@
 """Test helpers for moving KDA states between tensor-parallel degrees: small models whose heads
 split evenly (8 heads) or unevenly (96 heads over 3 and 2 ranks), page ids on both sides, rank pools
-of a degree, and the un-sharded ground truth with its sharding onto the source ranks.
+of a degree, and the un-sharded ground truth of both state parts (conv rows and recurrent
+matrices) with its sharding onto the ranks.
 
 Page ids are scattered and different on both sides, so a transfer that writes a state at its
 source page id, or in the wrong order, fails the comparison with the ground truth.
@@ -9,6 +10,7 @@ source page id, or in the wrong order, fails the comparison with the ground trut
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -28,18 +30,39 @@ def rank_pools(model: ModelSpec, degree: int, device: str) -> list[PagedPool]:
     return [PagedPool.create(spec, CACHE, device=device, debug=True) for _ in range(degree)]
 
 
-def full_states(model: ModelSpec) -> torch.Tensor:
-    """Un-sharded states `[pages, layer_slots, heads, K, V]`: the ground truth."""
+@dataclass(frozen=True)
+class States:
+    """Un-sharded states of `SRC_PAGES`: `conv [pages, layer_slots, C, kernel - 1]` (global
+    channels: all heads' q, then k, then v) and `recurrent [pages, layer_slots, heads, K, V]`."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def full_states(model: ModelSpec) -> States:
+    """The ground truth, random in every byte of both parts."""
     g = torch.Generator().manual_seed(0)
-    shape = (len(SRC_PAGES), model.layers_per_group, model.kda_heads, model.kda_head_k_dim,
-             model.kda_head_v_dim)
-    return torch.randn(shape, generator=g).to(getattr(torch, model.kda_state_dtype))
+    lead = (len(SRC_PAGES), model.layers_per_group)
+    conv = torch.randn(*lead, model.conv_channels, model.conv_kernel - 1, generator=g)
+    recurrent = torch.randn(*lead, model.kda_heads, model.kda_head_k_dim, model.kda_head_v_dim,
+                            generator=g)
+    return States(conv.to(getattr(torch, model.conv_dtype)),
+                  recurrent.to(getattr(torch, model.kda_state_dtype)))
 
 
-def shard(states: torch.Tensor, pools: list[PagedPool], pages: list[int]) -> None:
-    """Write each rank's heads of `states` into its pool's `pages`, through the typed views."""
+def write_rank(pool: PagedPool, rank: int, states: States, i: int, page: int) -> None:
+    """Write `rank`'s share of state `i` (its heads' conv rows and recurrent matrices) into
+    `page`, through the typed views."""
+    heads = pool.layout.rank_heads(rank)
+    conv = pool.conv_view(page)
+    for ours, theirs in pool.layout.conv_rows(heads, rank):
+        conv[:, theirs.start:theirs.stop] = states.conv[i, :, ours.start:ours.stop]
+    pool.kda_view(page).copy_(states.recurrent[i, :, heads.start:heads.stop])
+
+
+def shard(states: States, pools: list[PagedPool], pages: list[int]) -> None:
+    """Write each rank's share of `states` into its pool's `pages`."""
     for rank, pool in enumerate(pools):
-        heads = pool.layout.rank_heads(rank)
         for i, page in enumerate(pages):
             pool.tag(page, PageKind.KDA)
-            pool.kda_view(page).copy_(states[i, :, heads.start:heads.stop])
+            write_rank(pool, rank, states, i, page)

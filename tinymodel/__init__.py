@@ -9,7 +9,8 @@ recompute(tokens)[start:stop])`; a wrong, stale, corrupt or type-confused page m
 from tinymodel.chunk import ChunkError, ChunkRequest
 from tinymodel.model import ATOL, RTOL, TinyHybrid, outputs_match
 from tinymodel.pool_io import PoolMismatch
+from tinymodel.state import KdaState
 from tinymodel.weights import Dims, UnsupportedModel
 
-__all__ = ["ATOL", "RTOL", "ChunkError", "ChunkRequest", "Dims", "PoolMismatch", "TinyHybrid",
-           "UnsupportedModel", "outputs_match"]
+__all__ = ["ATOL", "RTOL", "ChunkError", "ChunkRequest", "Dims", "KdaState", "PoolMismatch",
+           "TinyHybrid", "UnsupportedModel", "outputs_match"]

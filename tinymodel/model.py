@@ -20,6 +20,7 @@ from cachetier.config import ModelSpec
 from gpu_pool.pool import PagedPool
 from tinymodel import ops, pool_io
 from tinymodel.chunk import ChunkRequest
+from tinymodel.state import KdaState
 from tinymodel.weights import Dims, Weights, init_weights
 
 # fp32 outputs of the two paths agree to ~1e-6 when the pool returns what was stored: both run the
@@ -84,8 +85,8 @@ class TinyHybrid:
         hidden = self._embed(tokens)
         for block in range(dims.blocks):
             for group in range(dims.kda_groups):
-                state = torch.zeros(dims.kda_heads, dims.kda_k, dims.kda_v)
-                hidden, _, _ = ops.kda_span(w.kda[group][block], dims, hidden, state)
+                hidden, _, _ = ops.kda_span(w.kda[group][block], dims, hidden,
+                                            KdaState.zeros(dims))
             for group in range(dims.mla_groups):
                 layer = w.mla[group][block]
                 rows = ops.mla_rows(layer, hidden, 0)
@@ -96,15 +97,16 @@ class TinyHybrid:
         dims, w = self.dims, self.weights
         hidden = self._embed(r.tokens[r.start:r.stop])
         split = r.snapshot_tokens - r.start if r.snapshot_tokens else 0
-        states = [torch.zeros(dims.blocks, dims.kda_heads, dims.kda_k, dims.kda_v)
-                  if r.fresh_state else pool_io.read_states(ranks, page)
-                  for page in r.state_pages]  # per group `[slot, H, K, V]`, updated in place
-        snapshots: list[list[torch.Tensor]] = [[] for _ in r.state_pages]
+        states = [KdaState.zeros(dims, dims.blocks) if r.fresh_state
+                  else pool_io.read_states(ranks, page)
+                  for page in r.state_pages]  # per group, both parts of every slot
+        finals: list[list[KdaState]] = [[] for _ in r.state_pages]
+        snapshots: list[list[KdaState]] = [[] for _ in r.state_pages]
         for block in range(dims.blocks):
             for group in range(dims.kda_groups):
                 hidden, state, snapshot = ops.kda_span(w.kda[group][block], dims, hidden,
-                                                       states[group][block], split)
-                states[group][block] = state
+                                                       states[group].layer(block), split)
+                finals[group].append(state)
                 if snapshot is not None:
                     snapshots[group].append(snapshot)
             for group in range(dims.mla_groups):
@@ -114,10 +116,10 @@ class TinyHybrid:
                 rows = pool_io.read_rows(ranks[0], pages, block, r.stop)
                 hidden = ops.mla_span(layer, dims, hidden, r.start, rows)
         for group, page in enumerate(r.state_pages):
-            pool_io.write_states(ranks, page, states[group])
+            pool_io.write_states(ranks, page, KdaState.stack(finals[group]))
             if r.snapshot_tokens:
                 pool_io.write_states(ranks, r.snapshot_pages[group],
-                                     torch.stack(snapshots[group]))
+                                     KdaState.stack(snapshots[group]))
         return self._head(hidden)
 
     def _embed(self, tokens: Sequence[int] | np.ndarray) -> torch.Tensor:

@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tinymodel.state import KdaState
 from tinymodel.weights import Dims, KdaWeights, MlaWeights, Weights
 
 ROPE_BASE = 10_000.0
@@ -73,37 +74,62 @@ def _kda_masks(n: int) -> torch.Tensor:
     return torch.stack((ones.tril(), ones.tril(-1)))
 
 
-def kda_span(w: KdaWeights, dims: Dims, hidden: torch.Tensor, state: torch.Tensor,
-             split: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Run one KDA layer (gated delta rule) over `hidden [T, d]` from `state [H, K, V]`; returns
-    (hidden out, final state, the state after the first `split` tokens or None when `split` is 0):
-    a snapshot may fall strictly inside a chunk, so it is taken where the recurrence passes it.
+def kda_span(w: KdaWeights, dims: Dims, hidden: torch.Tensor, state: KdaState,
+             split: int = 0) -> tuple[torch.Tensor, KdaState, KdaState | None]:
+    """Run one KDA layer (short convolution, then gated delta rule) over `hidden [T, d]` from
+    `state`; returns (hidden out, final state, the state after the first `split` tokens or None
+    when `split` is 0): a snapshot may fall strictly inside a chunk, so it is taken where the
+    recurrence passes it, and its conv rows may straddle the chunk's start.
 
-    Per token t: S <- diag(a_t) S, then S <- S + beta_t k_t (v_t - S^T k_t)^T per head, output
-    S^T q_t. The state is the only memory of the past, so a resumed run is right exactly when the
-    restored state is.
+    Per token t: the q, k, v projections pass through a causal depthwise convolution of kernel
+    `conv_kernel` and SiLU (as Kimi Linear's `ShortConvolution`), q and k are L2-normalised per
+    head; then S <- diag(a_t) S, S <- S + beta_t k_t (v_t - S^T k_t)^T per head, output S^T q_t.
+    The conv rows and S are the only memory of the past, so a resumed run is right exactly when
+    both restored parts are.
     """
     steps, heads, k_dim, v_dim = hidden.shape[0], dims.kda_heads, dims.kda_k, dims.kda_v
     hk = heads * k_dim
-    qk, v, gate, strength = (rms_norm(hidden, w.norm) @ w.w_in).split(
-        (2 * hk, heads * v_dim, hk, heads), dim=-1)
+    qkv, gate, strength = (rms_norm(hidden, w.norm) @ w.w_in).split(
+        (dims.conv_channels, hk, heads), dim=-1)
+    qkv, conv, conv_snapshot = short_conv(w.conv, qkv, state.conv, split)
+    qk, v = qkv.split((2 * hk, heads * v_dim), dim=-1)
     qk = qk.reshape(steps, 2, heads, k_dim)
     qk = (qk / qk.norm(dim=-1, keepdim=True).clamp_min(1e-6)).permute(2, 1, 0, 3).contiguous()
     log_decay = F.logsigmoid(gate.view(steps, heads, k_dim) + w.a_bias.view(heads, k_dim))
     log_decay = log_decay.transpose(0, 1)  # [H, T, K]
     beta = torch.sigmoid(strength).T.unsqueeze(-1)  # [H, T, 1]
     v = v.view(steps, heads, v_dim).transpose(0, 1)  # [H, T, V]
+    recurrent = state.recurrent
     reads, snapshot = [], None
     for first in range(0, steps, KDA_BLOCK):
         last = min(steps, first + KDA_BLOCK)
         part = slice(first, last) if steps > KDA_BLOCK else slice(None)
         at = split - 1 - first if first < split <= last else None
-        state, block_reads, taken = _kda_block(qk[:, :, part], v[:, part], log_decay[:, part],
-                                               beta[:, part], state, at)
+        recurrent, block_reads, taken = _kda_block(qk[:, :, part], v[:, part],
+                                                   log_decay[:, part], beta[:, part], recurrent,
+                                                   at)
         reads.append(block_reads)
         snapshot = taken if at is not None else snapshot
     reads = reads[0] if len(reads) == 1 else torch.cat(reads, dim=1)
-    return torch.addmm(hidden, reads.transpose(0, 1).reshape(steps, -1), w.wo), state, snapshot
+    out = torch.addmm(hidden, reads.transpose(0, 1).reshape(steps, -1), w.wo)
+    taken_state = None if snapshot is None else KdaState(conv_snapshot, snapshot)
+    return out, KdaState(conv, recurrent), taken_state
+
+
+def short_conv(weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, split: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal depthwise convolution of `x [T, C]` with `weight [C, kernel]`, then SiLU, after
+    the `rows [C, kernel - 1]` of earlier inputs (oldest first); returns (outputs `[T, C]`, the
+    rows after the span, the rows after its first `split` tokens). Both row sets are the last
+    `kernel - 1` inputs, so they straddle the span's start when it is shorter than the kernel."""
+    window = weight.shape[1] - 1
+    padded = torch.cat((rows.T, x))  # [kernel - 1 + T, C]: input t at index t + kernel - 1
+    steps = x.shape[0]
+    out = padded[window:] * weight[:, window]
+    for j in range(window):
+        out = out.addcmul_(padded[j:j + steps], weight[:, j])
+    return (F.silu(out), padded[steps:].T.contiguous(),
+            padded[split:split + window].T.contiguous())
 
 
 def _kda_block(qk: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor,

@@ -7,9 +7,10 @@ page of the wrong kind, and a non-debug pool returns the other layout's bytes (v
 
 A model of tensor-parallel degree n runs over n pools, one per rank, sharing one page table (a page
 id names the same page on every rank, as the index hands them out). A pool does not know its rank
-(its agent does), so the caller's order is the rank order. Each rank's KDA pages hold its own
-heads, as `PageLayout.rank_heads` assigns them; MLA rows are replicated: written to every rank and
-read from rank 0.
+(its agent does), so the caller's order is the rank order. Each rank's KDA pages hold both state
+parts of its own heads, as `PageLayout.rank_heads` assigns them: their recurrent matrices and
+their q, k and v conv rows (`PageLayout.conv_rows`); MLA rows are replicated: written to every
+rank and read from rank 0.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_pool.pool import PagedPool
+from tinymodel.state import KdaState
 from tinymodel.weights import Dims
 
 
@@ -65,6 +67,9 @@ def check_pool(dims: Dims, pool: PagedPool) -> None:
         expected["KDA head [K, V]"] = ((dims.kda_k, dims.kda_v),
                                        (spec.kda_head_k_dim, spec.kda_head_v_dim))
         expected["KDA dtype"] = (torch.float32, pool.layout.kda_dtype)
+        expected["conv kernel"] = (dims.conv_kernel, spec.conv_kernel)
+        expected["conv channels"] = (dims.conv_channels, spec.conv_channels)
+        expected["conv dtype"] = (torch.float32, pool.layout.conv_dtype)
     wrong = [f"{name}: model {ours}, pool {theirs}"
              for name, (ours, theirs) in expected.items() if ours != theirs]
     if wrong:
@@ -72,24 +77,33 @@ def check_pool(dims: Dims, pool: PagedPool) -> None:
                            + "; ".join(wrong))
 
 
-def read_states(ranks: Sequence[PagedPool], page: int) -> torch.Tensor:
-    """A contiguous `[layer_slots, H, K, V]` copy of every layer's state in one KDA page, every
-    rank contributing its heads (stored value-major per head): one read per rank, page and chunk."""
+def read_states(ranks: Sequence[PagedPool], page: int) -> KdaState:
+    """A contiguous copy of both parts of every layer's state in one KDA page, `[layer_slots, C,
+    kernel - 1]` and `[layer_slots, H, K, V]`, every rank contributing its heads' conv rows and
+    recurrent matrices (stored value-major per head): one read per rank, page and chunk."""
     layout = ranks[0].layout
-    states = torch.empty(layout.layer_slots, layout.model.kda_heads, layout.model.kda_head_k_dim,
-                         layout.model.kda_head_v_dim)
+    model = layout.model
+    state = KdaState(torch.empty(layout.layer_slots, model.conv_channels, model.conv_kernel - 1),
+                     torch.empty(layout.layer_slots, model.kda_heads, model.kda_head_k_dim,
+                                 model.kda_head_v_dim))
     for rank, pool in enumerate(ranks):
         heads = layout.rank_heads(rank)
-        states[:, heads.start:heads.stop].copy_(pool.kda_view(page))
-    return states
+        conv = pool.conv_view(page)
+        for ours, theirs in layout.conv_rows(heads, rank):
+            state.conv[:, ours.start:ours.stop].copy_(conv[:, theirs.start:theirs.stop])
+        state.recurrent[:, heads.start:heads.stop].copy_(pool.kda_view(page))
+    return state
 
 
-def write_states(ranks: Sequence[PagedPool], page: int, states: torch.Tensor) -> None:
-    """Store `[layer_slots, H, K, V]`, every layer's state, into one KDA page: each rank's heads
-    into that rank's pool."""
+def write_states(ranks: Sequence[PagedPool], page: int, state: KdaState) -> None:
+    """Store both parts of every layer's state into one KDA page: each rank's heads' conv rows and
+    recurrent matrices into that rank's pool."""
     for rank, pool in enumerate(ranks):
         heads = pool.layout.rank_heads(rank)
-        pool.kda_view(page).copy_(states[:, heads.start:heads.stop])
+        conv = pool.conv_view(page)
+        for ours, theirs in pool.layout.conv_rows(heads, rank):
+            conv[:, theirs.start:theirs.stop].copy_(state.conv[:, ours.start:ours.stop])
+        pool.kda_view(page).copy_(state.recurrent[:, heads.start:heads.stop])
 
 
 def _spans(pages: Sequence[int], page_tokens: int, start: int,

@@ -31,6 +31,7 @@ class Dims:
     kda_k: int
     kda_v: int
     mla_row: int
+    conv_kernel: int
     rope_dim: int = 4
     d_model: int = 32
     vocab: int = 32_000
@@ -45,14 +46,14 @@ class Dims:
         fp32 outputs at 1e-5, so it needs fp32 caches. `spec.tp_degree` is not read: the model
         computes every head whatever the degree (its pools split the heads, not the model), so a
         spec at any degree gives the same sizes and, with the same seed, the same weights."""
-        for key in ("kda_state_dtype", "mla_dtype"):
+        for key in ("kda_state_dtype", "conv_dtype", "mla_dtype"):
             if getattr(spec, key) != "float32":
                 raise UnsupportedModel(f"model {spec.name!r}: {key}={getattr(spec, key)!r}; the "
                                        "tiny model stores fp32 caches only")
         dims = cls(kda_groups=spec.kda_groups, mla_groups=spec.mla_groups,
                    blocks=spec.layers_per_group, kda_heads=spec.kda_heads,
                    kda_k=spec.kda_head_k_dim, kda_v=spec.kda_head_v_dim,
-                   mla_row=spec.mla_latent_dim, **free)
+                   mla_row=spec.mla_latent_dim, conv_kernel=spec.conv_kernel, **free)
         if dims.rope_dim <= 0 or dims.rope_dim % 2:
             raise UnsupportedModel(f"rope_dim={dims.rope_dim} must be a positive even number")
         if dims.mla_latent <= 0:
@@ -64,14 +65,21 @@ class Dims:
     def mla_latent(self) -> int:
         return self.mla_row - self.rope_dim
 
+    @property
+    def conv_channels(self) -> int:
+        """The short convolution's channels: q and k (H*K each), then v (H*V)."""
+        return self.kda_heads * (2 * self.kda_k + self.kda_v)
+
 
 @dataclass(frozen=True)
 class KdaWeights:
     """`w_in` packs the q, k, v, decay-gate and write-strength projections, so a token costs one
-    matmul (columns in that order: H*K, H*K, H*V, H*K, H)."""
+    matmul (columns in that order: H*K, H*K, H*V, H*K, H); `conv` is the depthwise causal
+    convolution over the q, k, v columns (the conv channels), oldest input first."""
 
     norm: torch.Tensor  # [d]
     w_in: torch.Tensor  # [d, 3*H*K + H*V + H]
+    conv: torch.Tensor  # [C, kernel]
     a_bias: torch.Tensor  # [H, K, 1]: keeps the decay near 1 so old state stays visible
     wo: torch.Tensor  # [H*V, d]
 
@@ -133,7 +141,9 @@ def init_weights(dims: Dims, seed: int) -> Weights:
 
     def kda() -> KdaWeights:
         a_bias = 2.0 + 2.0 * torch.rand((dims.kda_heads, dims.kda_k, 1), generator=gen)
-        return KdaWeights(norm(), dense(d, 3 * hk + hv + dims.kda_heads), a_bias, dense(hv, d))
+        conv = dense(dims.conv_channels, dims.conv_kernel, fan_in=dims.conv_kernel)
+        return KdaWeights(norm(), dense(d, 3 * hk + hv + dims.kda_heads), conv, a_bias,
+                          dense(hv, d))
 
     def mla() -> MlaWeights:
         c, hm, r, dn, dv = (dims.mla_latent, dims.mla_heads, dims.rope_dim, dims.mla_head_dim,

@@ -5,7 +5,7 @@ source pool of TP degree `src_tp` to a destination pool of degree `dst_tp`: ever
 `pull`s its heads from every source rank that holds some (`gpu_pool.transfer`), all connections at
 once. Timed in the same run, repetition by repetition in alternating order:
 
-- `gbps`: our transfer: the request frames, one header per (page, layer slot, head range) stream,
+- `gbps`: our transfer: the request frames, one header per (page, layer slot, byte run) stream,
   each payload sent from the source pool's memory and received straight into its destination
   offset, a new connection per (source rank, destination rank) pair, as the agents do;
 - `raw_socket_gbps` (the denominator of `ratio`): the same bytes over the same connections, each
@@ -17,7 +17,8 @@ that needs none. The source ranks serve from their own event
 loop in a thread (in a deployment they are other processes), the destination ranks pull from
 this one. The first transfer of each case is checked against the source states.
 
-Pages are the kimi-k3 preset's per-rank pages (96 heads of 128x128 bf16) with `--slots` of its
+Pages are the kimi-k3 preset's per-rank pages (96 heads of 128x128 bf16 after the kernel-4 bf16
+conv rows of their q, k, v channels) with `--slots` of its
 23 layer slots, to bound memory; `--quick` uses tiny pages (the test's run, not a measurement).
 """
 
@@ -181,13 +182,28 @@ async def timed(contenders: dict[str, Callable[[], Awaitable[None]]], reps: int)
 
 def check(src_pools: Sequence[PagedPool], dst_pools: Sequence[PagedPool],
           moves: Sequence[PageMove]) -> None:
-    """Every moved state, gathered over the destination ranks, equals it over the source ranks
-    (compared as bits: random bytes hold NaNs)."""
+    """Every moved state, both parts gathered over the destination ranks, equals it over the
+    source ranks (compared as bits: random bytes hold NaNs)."""
     for move in moves:
-        src = torch.cat([p.kda_view(move.src) for p in src_pools], dim=1).contiguous()
-        dst = torch.cat([p.kda_view(move.dst) for p in dst_pools], dim=1).contiguous()
-        if not torch.equal(src.view(torch.uint8), dst.view(torch.uint8)):
-            raise RuntimeError(f"page {move.src} did not arrive intact in page {move.dst}")
+        for part in (_recurrent, _conv):
+            src, dst = part(src_pools, move.src), part(dst_pools, move.dst)
+            if not torch.equal(src.view(torch.uint8), dst.view(torch.uint8)):
+                raise RuntimeError(f"page {move.src} did not arrive intact in page {move.dst}")
+
+
+def _recurrent(pools: Sequence[PagedPool], page: int) -> torch.Tensor:
+    """`[slots, heads, K, V]` of `page` over all ranks."""
+    return torch.cat([p.kda_view(page) for p in pools], dim=1).contiguous()
+
+
+def _conv(pools: Sequence[PagedPool], page: int) -> torch.Tensor:
+    """`[slots, conv_channels, kernel - 1]` of `page` over all ranks, in global channel order."""
+    pieces = []
+    for rank, pool in enumerate(pools):
+        rows = pool.layout.conv_rows(pool.layout.rank_heads(rank), rank)
+        pieces += [(ours.start, pool.conv_view(page)[:, theirs.start:theirs.stop])
+                   for ours, theirs in rows]
+    return torch.cat([view for _, view in sorted(pieces, key=lambda p: p[0])], dim=1)
 
 
 def with_same_tp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
