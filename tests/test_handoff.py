@@ -42,6 +42,8 @@ DOC = [5 + (3 * i) % 97 for i in range(60)]
 STATE = torch.randn(MODEL.kda_groups, MODEL.layers_per_group, MODEL.kda_heads,
                     MODEL.kda_head_k_dim, MODEL.kda_head_v_dim,
                     generator=torch.Generator().manual_seed(0))
+CONV = torch.randn(MODEL.kda_groups, MODEL.layers_per_group, MODEL.conv_channels,
+                   MODEL.conv_kernel - 1, generator=torch.Generator().manual_seed(1))
 
 
 @contextlib.asynccontextmanager
@@ -56,13 +58,17 @@ async def cluster(redis_url: str, **agent_overrides):
 
 
 def forward(views: list[PagedPool], plan: RequestPlan, tokens: list[int]) -> None:
-    """What the prefill ranks' forward pass leaves: latents on every rank, each rank's heads."""
+    """What the prefill ranks' forward pass leaves: latents on every rank, each rank's heads
+    (their conv rows and recurrent states)."""
     for rank, view in enumerate(views):
         for pos in range(plan.start, plan.stop):
             view.mla_view(plan.mla_pages[0][pos // PAGE])[:, pos % PAGE] = float(tokens[pos])
         heads = view.layout.rank_heads(rank)
         for group, page in enumerate(plan.checkpoint_pages):
             view.kda_view(page).copy_(STATE[group, :, heads.start:heads.stop])
+            conv = view.conv_view(page)
+            for ours, theirs in view.layout.conv_rows(heads, rank):
+                conv[:, theirs.start:theirs.stop] = CONV[group, :, ours.start:ours.stop]
 
 
 async def prefill(tier: CacheTierClient, views: list[PagedPool], tokens: list[int]) -> None:
@@ -99,6 +105,7 @@ async def test_a_prefill_prefix_lands_in_the_decode_pool_resharded(redis, redis_
         view = PagedPool.attach(decode_agent.handle())
         for group, page in enumerate(plan.state_pages):              # the restore copy ran
             assert torch.equal(view.kda_view(page), STATE[group])
+            assert torch.equal(view.conv_view(page), CONV[group])
         for pos in range(40):
             row = view.mla_view(plan.mla_pages[0][pos // PAGE])[:, pos % PAGE]
             assert bool((row == float(tokens[pos])).all()), pos
