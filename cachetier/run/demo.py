@@ -155,7 +155,7 @@ def write_plot(results: list[RequestResult], path: Path, policy: str) -> None:
     ax.scatter(x, own, s=12, alpha=0.5, label="request")
     ax.plot(x, cumulative, linewidth=2, label="cumulative (token-weighted)")
     ax.set(xlabel="requests finished", ylabel="prefix cache hit ratio", ylim=(0, 1),
-           title=f"cachetier demo: tiny hybrid model, policy {policy}")
+           title=f"cachetier demo: tiny hybrid model, checkpoint placement {policy}")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
