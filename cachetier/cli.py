@@ -230,6 +230,7 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
     args.overrides.append(("model.tp_degree", str(agents)))  # one agent per rank
     config = config_from_args(args)  # a bad configuration is refused here, not in a child
     serve_config = ["--preset", args.preset, *(["--config", args.config] if args.config else []),
+                    *(["--hf-config", args.hf_config] if args.hf_config else []),
                     *(f"--set={key}={value}" for key, value in args.overrides)]
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     return ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),

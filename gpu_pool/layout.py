@@ -3,16 +3,20 @@
 The pool buffer is `[layer_slots, num_pages, page_bytes]` bytes. A page id addresses one page per layer
 slot; the page belongs to one cache group, whose layer `i` uses slot `i`. Inside one slot:
 
-- an MLA page is token-major `[page_tokens, latent]`, so the first `T` tokens are the byte prefix
-  `[0, T * mla_token_bytes)`: a copy-on-write of a partially matched page is one prefix copy;
-- a KDA page holds both parts of one layer's state on this rank, conv first as vLLM packs its state
-  page: the conv block `[conv_rank_channels, conv_kernel - 1]` (channel-major: this rank's heads'
-  q channels, then their k channels, then their v channels, each channel's last inputs
-  contiguous), then the recurrent part, head-major: this rank's heads one after the other, each
-  head's `[K, V]` state stored value-major (`[V, K]`, the order vLLM's gated-delta-net state
-  uses), so each head's recurrent stream is self-contained. A run of heads owns one run of
-  recurrent bytes and three runs of conv rows (its q, k and v channels): the unit of transfer and
-  re-sharding.
+- a full-attention page (`PageKind.MLA`, MLA or GQA) is token-major `[page_tokens, token row]`, so
+  the first `T` tokens are the byte prefix `[0, T * mla_token_bytes)`: a copy-on-write of a
+  partially matched page is one prefix copy. An MLA token row is the latent (replicated on every
+  rank); a GQA token row is this rank's KV heads one after the other, each head's K then V
+  (`[kv_heads_per_rank, 2, head_dim]`), so a run of KV heads is one byte run per token;
+- a linear-attention page (`PageKind.KDA`, KDA or GDN) holds both parts of one layer's state on
+  this rank, conv first as vLLM packs its state page: the conv block `[conv_rank_channels,
+  conv_kernel - 1]` (channel-major: this rank's key heads' q channels, then their k channels,
+  then its value heads' v channels, each channel's last inputs contiguous), then the recurrent
+  part, head-major: this rank's value heads one after the other, each head's `[K, V]` state
+  stored value-major (`[V, K]`, the order vLLM's gated-delta-net state uses), so each head's
+  recurrent stream is self-contained. A run of value heads (with the key heads they share, GDN
+  has fewer) owns one run of recurrent bytes and three runs of conv rows (its q, k and v
+  channels): the unit of transfer and re-sharding.
 
 The two layouts deliberately disagree: a KDA state read as MLA tokens (or the reverse) comes out
 transposed inside each head, not as a plausible reshape of the right data.
@@ -134,22 +138,39 @@ class PageLayout:
         return ByteRange(self.recurrent_offset + (head - heads.start) * self.head_bytes,
                          self.head_bytes)
 
+    def rank_key_heads(self, rank: int) -> range:
+        """Global ids of the key heads that `rank` holds (the value heads' shared keys)."""
+        heads = self.rank_heads(rank)
+        return self.key_heads_of(heads)
+
+    def key_heads_of(self, heads: range) -> range:
+        """The key heads value heads `heads` read: a run of whole key-head groups (GDN shares
+        one key head among `value_heads_per_key_head` value heads; KDA: the same run)."""
+        group = self.model.value_heads_per_key_head
+        if heads.start % group or heads.stop % group:
+            raise ValueError(f"value heads [{heads.start}, {heads.stop}) split a group of "
+                             f"{group} sharing one key head")
+        return range(heads.start // group, heads.stop // group)
+
     def conv_rows(self, heads: range, rank: int = 0) -> list[tuple[range, range]]:
-        """The conv channels of global heads `heads` (all on `rank`): one `(global channels,
-        channels in rank's conv block)` pair per part q, k, v, in that order. Global channels
-        are numbered as in the unsharded layer, all heads' q, then k, then v (vLLM's `conv_dim`)."""
+        """The conv channels of global value heads `heads` (all on `rank`) and of the key heads
+        they read: one `(global channels, channels in rank's conv block)` pair per part q, k
+        (key heads), v (value heads), in that order. Global channels are numbered as in the
+        unsharded layer, all key heads' q, then k, then all value heads' v (vLLM's `conv_dim`)."""
         held = self.rank_heads(rank)
         if heads.start < held.start or heads.stop > held.stop:
             raise ValueError(f"heads [{heads.start}, {heads.stop}) are not all on rank {rank} "
                              f"(holds heads [{held.start}, {held.stop}))")
+        keys, held_keys = self.key_heads_of(heads), self.key_heads_of(held)
         rows, global_base, local_base = [], 0, 0
-        for width in self.model.conv_head_channels:
-            first_global = global_base + heads.start * width
-            first_local = local_base + (heads.start - held.start) * width
-            rows.append((range(first_global, first_global + len(heads) * width),
-                         range(first_local, first_local + len(heads) * width)))
-            global_base += self.model.kda_heads * width
-            local_base += len(held) * width
+        for (total, width), part, part_held in zip(self.model.conv_parts, (keys, keys, heads),
+                                                   (held_keys, held_keys, held)):
+            first_global = global_base + part.start * width
+            first_local = local_base + (part.start - part_held.start) * width
+            rows.append((range(first_global, first_global + len(part) * width),
+                         range(first_local, first_local + len(part) * width)))
+            global_base += total * width
+            local_base += len(part_held) * width
         return rows
 
     def conv_range(self, channels: range) -> ByteRange:
@@ -160,6 +181,17 @@ class PageLayout:
                              f"{self.model.conv_rank_channels}-channel conv block")
         row = self.model.conv_row_bytes
         return ByteRange(channels.start * row, len(channels) * row)
+
+    def rank_attn_heads(self, rank: int) -> range:
+        """The full-attention units `rank` holds: its KV heads (GQA; one replicated head per
+        `tp_degree / kv_heads` ranks when the degree exceeds them), or the latent (MLA: unit 0,
+        on every rank)."""
+        model = self.model
+        if not 0 <= rank < model.tp_degree:
+            raise ValueError(f"rank {rank} out of range for tp_degree={model.tp_degree}")
+        per_rank = model.attn_heads_per_rank
+        first = rank * model.attn_heads // model.tp_degree // per_rank * per_rank
+        return range(first, first + per_rank)
 
     def mla_token_range(self, start: int, stop: int) -> ByteRange:
         """Bytes of tokens `[start, stop)` inside one layer slot of an MLA page."""

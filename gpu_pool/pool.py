@@ -96,12 +96,14 @@ class PagedPool:
         return PageKind(int(self._tags[page]))
 
     def mla_view(self, page: int) -> torch.Tensor:
-        """`[layer_slots, page_tokens, latent]` of `mla_dtype`: a view of the page, not a copy."""
+        """`[layer_slots, page_tokens, row]` of `mla_dtype`, a full-attention page: a view of the
+        page, not a copy. A row is the MLA latent, or this rank's GQA KV heads, each K then V
+        (`[kv_heads_per_rank, 2, head_dim]` flattened)."""
         self._check(page, PageKind.MLA)
         layout, model = self.layout, self.layout.model
         raw = self.buffer[:, page, :layout.geometry.mla_page_bytes]
         return raw.view(layout.mla_dtype).view(layout.layer_slots, layout.cache.page_tokens,
-                                               model.mla_latent_dim)
+                                               model.attn_heads_per_rank * model.attn_head_elems)
 
     def kda_view(self, page: int, heads: slice | None = None) -> torch.Tensor:
         """`[layer_slots, heads, K, V]` of `kda_state_dtype`, the recurrent part of a KDA page

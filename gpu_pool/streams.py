@@ -1,15 +1,20 @@
 """Which byte streams one destination rank pulls from which source rank to receive a set of pages.
 
-The unit of transfer is one byte stream within one (page, layer slot). A KDA page of a source rank
-of TP degree `s` holds heads `[r*H/s, (r+1)*H/s)`; the heads it shares with a destination rank
-of degree `d` are one contiguous run on both sides, which owns one run of recurrent bytes and
-three runs of conv rows (its q, k and v channels: the conv block is channel-major, q then k then
-v, as vLLM's `conv_dim`). Each run is read at its offset in the source layout and written at its
-offset in the destination layout: the re-sharding is the choice of offsets, nothing is
-reshuffled afterwards. Runs adjacent on both sides are merged, so a page between equal degrees
-is still one stream per slot, and between different degrees at most four. An MLA page (the
-latent is replicated on every rank) is one stream per slot, pulled by every destination rank
-from one source rank (spread over the source ranks).
+The unit of transfer is one byte stream within one (page, layer slot). A linear-attention (KDA or
+GDN) page of a source rank of TP degree `s` holds value heads `[r*H/s, (r+1)*H/s)` and the key
+heads they share; the value heads it shares with a destination rank of degree `d` are one
+contiguous run on both sides, which owns one run of recurrent bytes and three runs of conv rows
+(the q and k channels of its key heads, the v channels of its value heads: the conv block is
+channel-major, q then k then v, as vLLM's `conv_dim`). Each run is read at its offset in the
+source layout and written at its offset in the destination layout: the re-sharding is the choice
+of offsets, nothing is reshuffled afterwards. Runs adjacent on both sides are merged, so a page
+between equal degrees is still one stream per slot, and between different degrees at most four.
+
+A full-attention page is token-major. An MLA page (the latent is replicated on every rank) and a
+GQA page whose source and destination ranks hold the same KV heads are one stream per slot (the
+filled token prefix); a GQA page re-sharded between degrees that split the KV heads differently
+is one stream per token (the shared heads' K and V of that token). A destination rank pulls each
+run of heads from one source rank holding it (spread over the replicas).
 
 Both pools must hold the same model up to the TP degree: same heads, head shapes and dtypes, same
 tokens per page. Everything is checked here, before a byte moves.
@@ -85,6 +90,7 @@ def plan_fetch(src: PageLayout, dst: PageLayout, dst_rank: int,
     dst_heads = dst.rank_heads(dst_rank)
     src_tp = src.model.tp_degree
     shared = [(rank, _overlap(src.rank_heads(rank), dst_heads)) for rank in range(src_tp)]
+    attn_sources = _attention_sources(src, dst.rank_attn_heads(dst_rank), dst_rank)
     by_rank: dict[int, list[Stream]] = {}
     for move in moves:
         src.check_page(move.src)
@@ -95,10 +101,23 @@ def plan_fetch(src: PageLayout, dst: PageLayout, dst_rank: int,
                     by_rank.setdefault(rank, []).extend(_kda_streams(src, rank, dst, dst_rank,
                                                                      move, heads))
         elif move.kind is PageKind.MLA:
-            by_rank.setdefault(dst_rank % src_tp, []).extend(_mla_streams(src, move))
+            for rank, heads in attn_sources:
+                by_rank.setdefault(rank, []).extend(_attention_streams(src, rank, dst, dst_rank,
+                                                                       move, heads))
         else:
             raise ValueError(f"page {move.src}: cannot transfer a page of kind {move.kind!r}")
     return by_rank
+
+
+def _attention_sources(src: PageLayout, wanted: range, dst_rank: int) -> list[tuple[int, range]]:
+    """`(source rank, heads)` covering the full-attention heads `wanted` once: each distinct run
+    of source heads that overlaps them, from the replica `dst_rank` picks (so destination ranks
+    spread over the source ranks holding the same heads)."""
+    replicas: dict[range, list[int]] = {}
+    for rank in range(src.model.tp_degree):
+        replicas.setdefault(src.rank_attn_heads(rank), []).append(rank)
+    return [(ranks[dst_rank % len(ranks)], _overlap(held, wanted))
+            for held, ranks in replicas.items() if _overlap(held, wanted)]
 
 
 def _overlap(a: range, b: range) -> range:
@@ -138,11 +157,25 @@ def _merge_runs(runs: list[tuple[ByteRange, ByteRange]]) -> list[tuple[ByteRange
     return merged
 
 
-def _mla_streams(src: PageLayout, move: PageMove) -> list[Stream]:
+def _attention_streams(src: PageLayout, src_rank: int, dst: PageLayout, dst_rank: int,
+                       move: PageMove, heads: range) -> list[Stream]:
+    """The heads `heads` of every token of the page's filled prefix (`move.nbytes` counts the
+    source's token rows): one stream per slot when both sides hold exactly these heads, else one
+    per token."""
     whole = src.geometry.mla_page_bytes
     nbytes = move.nbytes or whole
     token = src.model.mla_token_bytes
     if not 0 < nbytes <= whole or nbytes % token:
         raise ValueError(f"page {move.src}: an MLA prefix of {nbytes} bytes is not a whole number "
                          f"of {token}-byte tokens within the {whole}-byte page")
-    return [Stream(move.src, slot, 0, nbytes, move.dst, 0) for slot in range(src.layer_slots)]
+    src_held, dst_held = src.rank_attn_heads(src_rank), dst.rank_attn_heads(dst_rank)
+    if heads == src_held == dst_held:
+        runs = [(0, 0, nbytes)]
+    else:
+        head, dst_token = src.model.attn_head_bytes, dst.model.mla_token_bytes
+        src_at = (heads.start - src_held.start) * head
+        dst_at = (heads.start - dst_held.start) * head
+        runs = [(t * token + src_at, t * dst_token + dst_at, len(heads) * head)
+                for t in range(nbytes // token)]
+    return [Stream(move.src, slot, a, size, move.dst, b)
+            for slot in range(src.layer_slots) for a, b, size in runs]

@@ -55,6 +55,94 @@ def test_kimi_k3_preset(capsys: pytest.CaptureFixture[str]) -> None:
                                   "hash_algo": "xxh3_128"}
 
 
+def test_qwen3_next_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    described = show_json(capsys, "--preset", "qwen3-next")
+    model = described["model"]
+    assert (model["linear_kind"], model["attention_kind"]) == ("gdn", "gqa")
+    assert model["kda_groups"] * model["layers_per_group"] == 36
+    assert model["mla_groups"] * model["layers_per_group"] == 12
+    # GQA: 512 tokens x 2 KV heads x (K, V) x 256 bf16
+    assert described["mla_page_bytes"] == 512 * 2 * 2 * 256 * 2 == 1048576
+    # GDN per layer: conv over q, k (16 key heads x 128) and v (32 value heads x 128) = 8,192
+    # channels x 3 bf16, then 32 value heads' 128 x 128 bf16 states
+    assert described["kda_conv_bytes"] == (2 * 16 * 128 + 32 * 128) * 3 * 2 == 49152
+    assert described["kda_recurrent_bytes"] == 32 * 128 * 128 * 2
+    assert described["kda_page_bytes"] == described["page_bytes"] == 1097728
+    assert described["kda_padding_fraction"] == 0.0
+    assert described["mla_padding_fraction"] == pytest.approx(1 - 1048576 / 1097728, abs=1e-4)
+    assert described["checkpoint_bytes_unpadded"] == 36 * 1097728
+    assert described["checkpoint_bytes_pooled"] == 3 * 12 * 1097728
+
+
+def test_gqa_kv_heads_split_then_replicate_over_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = [show_json(capsys, "--preset", "qwen3-next", "--set", f"model.tp_degree={tp}")
+              ["mla_page_bytes"] for tp in (1, 2, 4)]
+    assert tokens == [1048576, 524288, 524288]  # 2 KV heads: one per rank from TP 2 on
+
+
+QWEN3_NEXT_HF = {
+    "model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48,
+    "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "torch_dtype": "bfloat16",
+}
+KIMI_LINEAR_HF = {
+    "model_type": "kimi_linear", "hidden_size": 2304, "num_hidden_layers": 27,
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16",
+    "linear_attn_config": {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
+                           "full_attn_layers": [4, 8, 12, 16, 20, 24, 27]},
+}
+
+
+def write_json(tmp_path: Path, data: dict) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_hf_config_of_qwen3_next_is_the_preset(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    path = write_json(tmp_path, QWEN3_NEXT_HF)
+    from_file = show_json(capsys, "--preset", "qwen3-next", "--hf-config", path)
+    preset = show_json(capsys, "--preset", "qwen3-next")
+    assert {**from_file["model"], "name": "qwen3-next"} == preset["model"]
+    assert from_file["page_bytes"] == preset["page_bytes"]
+
+
+def test_hf_config_layer_types_list(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    kinds = ["linear_attention"] * 3 + ["full_attention"]
+    data = {key: value for key, value in QWEN3_NEXT_HF.items() if key != "full_attention_interval"}
+    path = write_json(tmp_path, {"text_config": {**data, "num_hidden_layers": 8,
+                                                 "layer_types": kinds * 2}})
+    model = show_json(capsys, "--preset", "qwen3-next", "--hf-config", path)["model"]
+    assert (model["kda_groups"], model["mla_groups"], model["layers_per_group"]) == (3, 1, 2)
+
+
+def test_hf_config_of_kimi_linear(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = show_json(capsys, "--preset", "kimi-k3", "--hf-config",
+                      write_json(tmp_path, KIMI_LINEAR_HF))["model"]
+    assert (model["linear_kind"], model["attention_kind"]) == ("kda", "mla")
+    # 20 KDA and 7 MLA layers share no larger group size than 1
+    assert (model["kda_groups"], model["mla_groups"], model["layers_per_group"]) == (20, 7, 1)
+    assert (model["kda_heads"], model["kda_head_k_dim"], model["mla_latent_dim"]) == (32, 128, 576)
+
+
+@pytest.mark.parametrize(("data", "field"), [
+    ({k: v for k, v in QWEN3_NEXT_HF.items() if k != "linear_num_key_heads"},
+     "hf_config.linear_num_key_heads: missing"),
+    ({**QWEN3_NEXT_HF, "torch_dtype": "int4"}, "hf_config.torch_dtype: unsupported dtype"),
+    ({**QWEN3_NEXT_HF, "full_attention_interval": 0}, "hf_config.full_attention_interval"),
+    ({"model_type": "llama", "hidden_size": 4096}, "hf_config.model_type: unsupported model"),
+    ({**KIMI_LINEAR_HF, "linear_attn_config": {"num_heads": 32, "head_dim": 128}},
+     "hf_config.linear_attn_config.full_attn_layers"),
+])
+def test_bad_hf_config_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path, data: dict, field: str) -> None:
+    code, out, err = run_cli(capsys, "config", "show", "--hf-config", write_json(tmp_path, data))
+    assert code == 2 and out == "" and field in err
+
+
 def test_tiny_preset_is_the_default(capsys: pytest.CaptureFixture[str]) -> None:
     described = show_json(capsys)
     assert described["model"]["name"] == "tiny"
@@ -78,6 +166,9 @@ def test_set_overrides_a_field(capsys: pytest.CaptureFixture[str]) -> None:
     ("cache.page_tokens=100", "cache.page_tokens"),
     ("cache.num_pages=many", "cache.num_pages"),
     ("model.bogus=1", "model.bogus"),
+    ("model.linear_kind=mamba", "model.linear_kind"),
+    ("model.kda_key_heads=2", "model.kda_key_heads"),  # KDA: one key head per value head
+    ("model.attention_kind=gqa", "model.gqa_kv_heads"),  # GQA needs its own fields
 ])
 def test_invalid_set_exits_2_naming_the_field(capsys: pytest.CaptureFixture[str], override: str,
                                               field: str) -> None:

@@ -87,7 +87,8 @@ def bench_config(args: argparse.Namespace) -> Config:
     if args.full_pages:
         return config_from_args(args)
     try:
-        return load_config(args.preset, args.config, {**SMALL_MODEL, **dict(args.overrides)})
+        return load_config(args.preset, args.config, {**SMALL_MODEL, **dict(args.overrides)},
+                           args.hf_config)
     except OSError as exc:
         raise ConfigError("--config", str(exc)) from exc
 
