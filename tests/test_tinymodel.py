@@ -382,7 +382,7 @@ def test_a_spec_the_model_cannot_serve_is_refused(change: dict[str, object], mes
 
 def test_a_pool_laid_out_for_another_model_is_refused(model: TinyHybrid) -> None:
     other = dataclasses.replace(TINY.model, mla_latent_dim=32, kda_heads=2)
-    mismatch = "KDA heads: model 4, pool 2.*MLA token row bytes: model 64, pool 128"
+    mismatch = "KDA heads: model 4, pool 2.*attention unit bytes: model 64, pool 128"
     with (PagedPool.create(other, dataclasses.replace(TINY.cache, num_pages=4)) as pool,
           pytest.raises(PoolMismatch, match=mismatch)):
         model.forward(pool, [ChunkRequest(PROMPT, 0, 4, [[0]], [1, 2, 3])])

@@ -1,6 +1,9 @@
-"""`TinyHybrid`: a tiny but real KDA + MLA model whose only cache is the pool.
+"""`TinyHybrid`: a tiny but real hybrid model whose only cache is the pool, of either family:
+KDA + MLA (Kimi) or Gated DeltaNet + grouped-query attention (Qwen3-Next), as its `ModelSpec`
+says.
 
-Block `i` runs layer slot `i` of every KDA group, then layer slot `i` of every MLA group, the same
+Block `i` runs layer slot `i` of every linear-attention group, then layer slot `i` of every
+full-attention group, the same
 order in which `ModelSpec` assigns layers to page slots. `forward` reads and writes every reused
 byte of state through the pool (`pool_io`), or through one pool per tensor-parallel rank: the
 weights do not depend on the TP degree, so pages written at one degree and re-sharded on the
@@ -21,7 +24,7 @@ from gpu_pool.pool import PagedPool
 from tinymodel import ops, pool_io
 from tinymodel.chunk import ChunkRequest
 from tinymodel.state import KdaState
-from tinymodel.weights import Dims, Weights, init_weights
+from tinymodel.weights import Dims, GqaWeights, MlaWeights, Weights, init_weights
 
 # fp32 outputs of the two paths agree to ~1e-6 when the pool returns what was stored: both run the
 # same span math (`ops`) but over different spans (the chunks vs the whole prompt), so sums may
@@ -89,9 +92,22 @@ class TinyHybrid:
                                             KdaState.zeros(dims))
             for group in range(dims.mla_groups):
                 layer = w.mla[group][block]
-                rows = ops.mla_rows(layer, hidden, 0)
-                hidden = ops.mla_span(layer, dims, hidden, 0, rows)
+                hidden = self._attend(layer, hidden, 0, self._rows(layer, hidden, 0))
         return self._head(hidden)
+
+    def _rows(self, layer: MlaWeights | GqaWeights, hidden: torch.Tensor,
+              start: int) -> torch.Tensor:
+        """What a full-attention layer caches for `hidden`, `[T, units, elems]` (one unit, the
+        latent, for MLA; the KV heads for GQA)."""
+        if isinstance(layer, GqaWeights):
+            return ops.gqa_rows(layer, self.dims, hidden, start)
+        return ops.mla_rows(layer, hidden, start).unsqueeze(1)
+
+    def _attend(self, layer: MlaWeights | GqaWeights, hidden: torch.Tensor, start: int,
+                rows: torch.Tensor) -> torch.Tensor:
+        if isinstance(layer, GqaWeights):
+            return ops.gqa_span(layer, self.dims, hidden, start, rows)
+        return ops.mla_span(layer, self.dims, hidden, start, rows.squeeze(1))
 
     def _forward_one(self, ranks: list[PagedPool], r: ChunkRequest) -> torch.Tensor:
         dims, w = self.dims, self.weights
@@ -111,10 +127,10 @@ class TinyHybrid:
                     snapshots[group].append(snapshot)
             for group in range(dims.mla_groups):
                 layer, pages = w.mla[group][block], r.mla_pages[group]
-                new_rows = ops.mla_rows(layer, hidden, r.start)
-                pool_io.write_rows(ranks, pages, block, r.start, new_rows)
-                rows = pool_io.read_rows(ranks[0], pages, block, r.stop)
-                hidden = ops.mla_span(layer, dims, hidden, r.start, rows)
+                pool_io.write_rows(ranks, pages, block, r.start,
+                                   self._rows(layer, hidden, r.start))
+                rows = pool_io.read_rows(ranks, pages, block, r.stop)
+                hidden = self._attend(layer, hidden, r.start, rows)
         for group, page in enumerate(r.state_pages):
             pool_io.write_states(ranks, page, KdaState.stack(finals[group]))
             if r.snapshot_tokens:

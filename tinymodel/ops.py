@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tinymodel.state import KdaState
-from tinymodel.weights import Dims, KdaWeights, MlaWeights, Weights
+from tinymodel.weights import Dims, GqaWeights, KdaWeights, MlaWeights, Weights
 
 ROPE_BASE = 10_000.0
 KDA_BLOCK = 64  # tokens per KDA block: ~30 torch ops and O(BLOCK^2) work per block
@@ -76,7 +76,8 @@ def _kda_masks(n: int) -> torch.Tensor:
 
 def kda_span(w: KdaWeights, dims: Dims, hidden: torch.Tensor, state: KdaState,
              split: int = 0) -> tuple[torch.Tensor, KdaState, KdaState | None]:
-    """Run one KDA layer (short convolution, then gated delta rule) over `hidden [T, d]` from
+    """Run one linear-attention layer (short convolution, then gated delta rule) over `hidden
+    [T, d]` from
     `state`; returns (hidden out, final state, the state after the first `split` tokens or None
     when `split` is 0): a snapshot may fall strictly inside a chunk, so it is taken where the
     recurrence passes it, and its conv rows may straddle the chunk's start.
@@ -85,18 +86,23 @@ def kda_span(w: KdaWeights, dims: Dims, hidden: torch.Tensor, state: KdaState,
     `conv_kernel` and SiLU (as Kimi Linear's `ShortConvolution`), q and k are L2-normalised per
     head; then S <- diag(a_t) S, S <- S + beta_t k_t (v_t - S^T k_t)^T per head, output S^T q_t.
     The conv rows and S are the only memory of the past, so a resumed run is right exactly when
-    both restored parts are.
+    both restored parts are. KDA decays per key channel (`a_t` a vector); Gated DeltaNet decays
+    per head (`a_t` a scalar, the same chunkwise form) and its q and k come in fewer key heads,
+    each shared by a group of value heads (as Qwen3-Next's `repeat_interleave`).
     """
     steps, heads, k_dim, v_dim = hidden.shape[0], dims.kda_heads, dims.kda_k, dims.kda_v
-    hk = heads * k_dim
+    hk, gates = dims.key_heads * k_dim, dims.gate_width // heads
     qkv, gate, strength = (rms_norm(hidden, w.norm) @ w.w_in).split(
-        (dims.conv_channels, hk, heads), dim=-1)
+        (dims.conv_channels, dims.gate_width, heads), dim=-1)
     qkv, conv, conv_snapshot = short_conv(w.conv, qkv, state.conv, split)
     qk, v = qkv.split((2 * hk, heads * v_dim), dim=-1)
-    qk = qk.reshape(steps, 2, heads, k_dim)
-    qk = (qk / qk.norm(dim=-1, keepdim=True).clamp_min(1e-6)).permute(2, 1, 0, 3).contiguous()
-    log_decay = F.logsigmoid(gate.view(steps, heads, k_dim) + w.a_bias.view(heads, k_dim))
-    log_decay = log_decay.transpose(0, 1)  # [H, T, K]
+    qk = qk.reshape(steps, 2, dims.key_heads, k_dim)
+    qk = (qk / qk.norm(dim=-1, keepdim=True).clamp_min(1e-6)).permute(2, 1, 0, 3)
+    if dims.key_heads != heads:  # GDN: each key head serves a group of value heads
+        qk = qk.repeat_interleave(heads // dims.key_heads, dim=0)
+    qk = qk.contiguous()
+    log_decay = F.logsigmoid(gate.view(steps, heads, gates) + w.a_bias.view(heads, gates))
+    log_decay = log_decay.transpose(0, 1).expand(heads, steps, k_dim)  # [H, T, K]
     beta = torch.sigmoid(strength).T.unsqueeze(-1)  # [H, T, 1]
     v = v.view(steps, heads, v_dim).transpose(0, 1)  # [H, T, V]
     recurrent = state.recurrent
@@ -205,3 +211,35 @@ def mla_span(w: MlaWeights, dims: Dims, hidden: torch.Tensor, start: int,
         context.append(weights.view(-1, start + last) @ seen[:, :latent])  # [block * Hm, C]
     context = context[0] if len(context) == 1 else torch.cat(context)
     return torch.addmm(hidden, context.view(steps, heads * latent), w.w_out)
+
+
+# --- GQA ------------------------------------------------------------------------------------------
+
+def gqa_rows(w: GqaWeights, dims: Dims, hidden: torch.Tensor, start: int) -> torch.Tensor:
+    """What `hidden [T, d]` (first token at position `start`) caches in one GQA layer: per token
+    and KV head its rotated key, then its value, `[T, kv_heads, 2 * head_dim]`."""
+    steps, heads, head_dim = hidden.shape[0], dims.kv_heads, dims.kv_head_dim
+    kv = (rms_norm(hidden, w.norm) @ w.w_kv).view(steps, heads, 2, head_dim)
+    return torch.stack((rope(kv[:, :, 0], start), kv[:, :, 1]), dim=2).view(steps, heads, -1)
+
+
+def gqa_span(w: GqaWeights, dims: Dims, hidden: torch.Tensor, start: int,
+             rows: torch.Tensor) -> torch.Tensor:
+    """Run one grouped-query attention layer over `hidden [T, d]` at positions `start..`,
+    attending causally over `rows [start + T, kv_heads, 2 * head_dim]` (every cached K and V of
+    the sequence so far, this chunk's included); query heads `g * j .. g * (j + 1) - 1` read KV
+    head `j`. Returns the new hidden `[T, d]`."""
+    steps, kv_heads, head_dim = hidden.shape[0], dims.kv_heads, dims.kv_head_dim
+    group = dims.gqa_query_heads_per_kv
+    query = (rms_norm(hidden, w.norm) @ w.wq).view(steps, kv_heads * group, head_dim)
+    query = (rope(query, start) * head_dim ** -0.5).view(steps, kv_heads, group, head_dim)
+    keys, values = rows[..., :head_dim], rows[..., head_dim:]
+    context = []
+    for first in range(0, steps, MLA_BLOCK):
+        last = min(steps, first + MLA_BLOCK)
+        scores = torch.einsum("tjgd,sjd->tjgs", query[first:last], keys[:start + last])
+        future = torch.ones(last - first, start + last, dtype=torch.bool).triu_(start + first + 1)
+        weights = torch.softmax(scores.masked_fill_(future[:, None, None], float("-inf")), dim=-1)
+        context.append(torch.einsum("tjgs,sjd->tjgd", weights, values[:start + last]))
+    context = context[0] if len(context) == 1 else torch.cat(context)
+    return torch.addmm(hidden, context.reshape(steps, -1), w.wo)

@@ -9,8 +9,9 @@ A model of tensor-parallel degree n runs over n pools, one per rank, sharing one
 id names the same page on every rank, as the index hands them out). A pool does not know its rank
 (its agent does), so the caller's order is the rank order. Each rank's KDA pages hold both state
 parts of its own heads, as `PageLayout.rank_heads` assigns them: their recurrent matrices and
-their q, k and v conv rows (`PageLayout.conv_rows`); MLA rows are replicated: written to every
-rank and read from rank 0.
+their q, k and v conv rows (`PageLayout.conv_rows`). Full-attention rows follow
+`PageLayout.rank_attn_heads`: an MLA latent is replicated (written to every rank, read from rank
+0), GQA KV heads are split (each rank its heads, replicated past `kv_heads` ranks).
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ def check_pool(dims: Dims, pool: PagedPool) -> None:
         "mla_groups": (dims.mla_groups, spec.mla_groups),
         "layer slots": (dims.blocks, pool.layout.layer_slots),
         "KDA heads": (dims.kda_heads, spec.kda_heads),
-        "MLA token row bytes": (dims.mla_row * 4, spec.mla_token_bytes),
+        "attention kind": (dims.attention_kind, spec.attention_kind),
+        "attention units per token": (dims.attn_units, spec.attn_heads),
+        "attention unit bytes": (dims.attn_unit_elems * 4, spec.attn_head_bytes),
         "MLA dtype": (torch.float32, pool.layout.mla_dtype),
     }
     if dims.kda_groups:
+        expected["linear-attention kind"] = (dims.linear_kind, spec.linear_kind)
+        expected["key heads"] = (dims.key_heads, spec.key_heads)
         expected["KDA head bytes"] = (dims.kda_k * dims.kda_v * 4, pool.layout.head_bytes)
         expected["KDA head [K, V]"] = ((dims.kda_k, dims.kda_v),
                                        (spec.kda_head_k_dim, spec.kda_head_v_dim))
@@ -121,18 +126,31 @@ def _spans(pages: Sequence[int], page_tokens: int, start: int,
 
 def write_rows(ranks: Sequence[PagedPool], pages: Sequence[int], slot: int, start: int,
                rows: torch.Tensor) -> None:
-    """Store `rows [T, row]` as positions [start, start + T) of one layer of a page table, on
-    every rank (the latent is replicated)."""
+    """Store `rows [T, units, elems]` as positions [start, start + T) of one layer of a page
+    table, each rank its own units (`PageLayout.rank_attn_heads`: the MLA latent on every rank,
+    a GQA rank its KV heads)."""
     page_tokens = ranks[0].layout.cache.page_tokens
     for page, first, last, done in _spans(pages, page_tokens, start, start + rows.shape[0]):
-        for pool in ranks:
-            pool.mla_view(page)[slot, first:last].copy_(rows[done:done + last - first])
+        for rank, pool in enumerate(ranks):
+            units = pool.layout.rank_attn_heads(rank)
+            part = rows[done:done + last - first, units.start:units.stop]
+            pool.mla_view(page)[slot, first:last].copy_(part.flatten(1))
 
 
-def read_rows(pool: PagedPool, pages: Sequence[int], slot: int, stop: int) -> torch.Tensor:
-    """Positions [0, stop) of one layer of a page table, as a new `[stop, row]` tensor (stop>0).
-    The caller passes rank 0's pool: every rank holds the same rows."""
-    page_tokens = pool.layout.cache.page_tokens
-    pieces = [pool.mla_view(page)[slot, first:last]
-              for page, first, last, _ in _spans(pages, page_tokens, 0, stop)]
-    return torch.cat(pieces).cpu()
+def read_rows(ranks: Sequence[PagedPool], pages: Sequence[int], slot: int,
+              stop: int) -> torch.Tensor:
+    """Positions [0, stop) of one layer of a page table, as a new `[stop, units, elems]` tensor
+    (stop>0), each unit read from the first rank that holds it."""
+    layout = ranks[0].layout
+    model = layout.model
+    rows = torch.empty(stop, model.attn_heads, model.attn_head_elems)
+    filled = 0
+    for rank, pool in enumerate(ranks):
+        units = layout.rank_attn_heads(rank)
+        if units.stop <= filled:
+            continue
+        for page, first, last, done in _spans(pages, layout.cache.page_tokens, 0, stop):
+            piece = pool.mla_view(page)[slot, first:last].view(last - first, len(units), -1)
+            rows[done:done + last - first, units.start:units.stop].copy_(piece)
+        filled = units.stop
+    return rows
