@@ -359,12 +359,13 @@ PRESETS: dict[str, Config] = {
     # and the kernel-4 conv on: a KDA page is 2,304 conv bytes (192 channels x 3 fp32) + 4,096
     # recurrent bytes (4 heads x 16 x 16 fp32), so the 64 x 16 fp32 MLA page is the padded kind.
     "tiny": Config(ModelSpec(), CacheSpec()),
-    # `tiny`'s GDN + GQA sibling: 4 value heads sharing 2 key heads (as Qwen3-Next's 32 share 16)
-    # and 2 KV heads of 8: a GDN page is 1,536 conv bytes (128 channels x 3 fp32) + 4,096
-    # recurrent bytes; a GQA page (64 tokens x 2 heads x K, V x 8 fp32) is 8,192 bytes.
+    # `tiny`'s GDN + GQA sibling: 8 value heads sharing 4 key heads (as Qwen3-Next's 32 share 16),
+    # so TP 1, 2 and 4 all split them, and 2 KV heads of 8 (replicated at TP 4): a GDN page is
+    # 3,072 conv bytes (256 channels x 3 fp32) + 8,192 recurrent bytes; a GQA page (64 tokens x 2
+    # heads x K, V x 8 fp32) is 8,192 bytes.
     "tiny-gqa": Config(
-        ModelSpec(name="tiny-gqa", linear_kind="gdn", attention_kind="gqa", kda_key_heads=2,
-                  mla_latent_dim=0, gqa_kv_heads=2, gqa_head_dim=8),
+        ModelSpec(name="tiny-gqa", linear_kind="gdn", attention_kind="gqa", kda_heads=8,
+                  kda_key_heads=4, mla_latent_dim=0, gqa_kv_heads=2, gqa_head_dim=8),
         CacheSpec(),
     ),
 }

@@ -24,7 +24,7 @@ from gpu_pool.pool import PagedPool
 from tinymodel import ops, pool_io
 from tinymodel.chunk import ChunkRequest
 from tinymodel.state import KdaState
-from tinymodel.weights import Dims, GqaWeights, MlaWeights, Weights, init_weights
+from tinymodel.weights import Dims, Weights, init_weights
 
 # fp32 outputs of the two paths agree to ~1e-6 when the pool returns what was stored: both run the
 # same span math (`ops`) but over different spans (the chunks vs the whole prompt), so sums may
@@ -92,22 +92,9 @@ class TinyHybrid:
                                             KdaState.zeros(dims))
             for group in range(dims.mla_groups):
                 layer = w.mla[group][block]
-                hidden = self._attend(layer, hidden, 0, self._rows(layer, hidden, 0))
+                rows = ops.attention_rows(layer, dims, hidden, 0)
+                hidden = ops.attention_span(layer, dims, hidden, 0, rows)
         return self._head(hidden)
-
-    def _rows(self, layer: MlaWeights | GqaWeights, hidden: torch.Tensor,
-              start: int) -> torch.Tensor:
-        """What a full-attention layer caches for `hidden`, `[T, units, elems]` (one unit, the
-        latent, for MLA; the KV heads for GQA)."""
-        if isinstance(layer, GqaWeights):
-            return ops.gqa_rows(layer, self.dims, hidden, start)
-        return ops.mla_rows(layer, hidden, start).unsqueeze(1)
-
-    def _attend(self, layer: MlaWeights | GqaWeights, hidden: torch.Tensor, start: int,
-                rows: torch.Tensor) -> torch.Tensor:
-        if isinstance(layer, GqaWeights):
-            return ops.gqa_span(layer, self.dims, hidden, start, rows)
-        return ops.mla_span(layer, self.dims, hidden, start, rows.squeeze(1))
 
     def _forward_one(self, ranks: list[PagedPool], r: ChunkRequest) -> torch.Tensor:
         dims, w = self.dims, self.weights
@@ -128,9 +115,9 @@ class TinyHybrid:
             for group in range(dims.mla_groups):
                 layer, pages = w.mla[group][block], r.mla_pages[group]
                 pool_io.write_rows(ranks, pages, block, r.start,
-                                   self._rows(layer, hidden, r.start))
+                                   ops.attention_rows(layer, dims, hidden, r.start))
                 rows = pool_io.read_rows(ranks, pages, block, r.stop)
-                hidden = self._attend(layer, hidden, r.start, rows)
+                hidden = ops.attention_span(layer, dims, hidden, r.start, rows)
         for group, page in enumerate(r.state_pages):
             pool_io.write_states(ranks, page, KdaState.stack(finals[group]))
             if r.snapshot_tokens:

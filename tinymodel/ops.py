@@ -180,7 +180,24 @@ def _kda_block(qk: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, beta:
     return state_after(n - 1), reads, None if at is None else state_after(at)
 
 
-# --- MLA ------------------------------------------------------------------------------------------
+# --- full attention: MLA or GQA -------------------------------------------------------------------
+
+def attention_rows(w: MlaWeights | GqaWeights, dims: Dims, hidden: torch.Tensor,
+                   start: int) -> torch.Tensor:
+    """What a full-attention layer caches for `hidden`, `[T, units, elems]`: one unit (the
+    latent row) for MLA, the KV heads for GQA; the shape the pool's rows are split by."""
+    if isinstance(w, GqaWeights):
+        return gqa_rows(w, dims, hidden, start)
+    return mla_rows(w, hidden, start).unsqueeze(1)
+
+
+def attention_span(w: MlaWeights | GqaWeights, dims: Dims, hidden: torch.Tensor, start: int,
+                   rows: torch.Tensor) -> torch.Tensor:
+    """One full-attention layer over `hidden` from `rows [start + T, units, elems]`."""
+    if isinstance(w, GqaWeights):
+        return gqa_span(w, dims, hidden, start, rows)
+    return mla_span(w, dims, hidden, start, rows.squeeze(1))
+
 
 def mla_rows(w: MlaWeights, hidden: torch.Tensor, start: int) -> torch.Tensor:
     """What `hidden [T, d]` (first token at position `start`) caches in one MLA layer: one row

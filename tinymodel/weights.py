@@ -2,9 +2,9 @@
 
 The cache-facing sizes (linear-attention heads and state dims, the MLA row width or the GQA KV
 heads, layer counts) come from the spec so the model's state is exactly what the pool stores;
-the rest (embedding, attention heads, output) is free and kept tiny. Weights come from a seeded `torch.Generator`, so every process that
-builds the model with the same seed computes the same function: the oracle of one process checks
-the pages written by another.
+the rest (embedding, attention heads, output) is free and kept tiny. Weights come from a seeded
+`torch.Generator`, so every process that builds the model with the same seed computes the same
+function: the oracle of one process checks the pages written by another.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ async def _receive(src: PoolSide, dst: PoolSide, pinned: PinnedPrefix, hashes: b
         if plan.start >= hit:
             return HandoffReply(hit, 0, plan.start)
         await _run_plan_copies(dst, outcome, timeout)
-        moves = _moves(pinned, plan, dst.config)
+        moves = _moves(pinned, plan, src.config)
         fetch = Fetch(outcome.epoch, [link.data_url for link in src.links], src.config.model,
                       src.config.cache, [m.row() for m in moves])
         await _fetch(dst.links, fetch, timeout)

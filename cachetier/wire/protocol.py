@@ -102,8 +102,9 @@ class CopyBatch:
 class Fetch:
     """Pull pages of another pool into this rank's pages: `sources[r]` is the page server of the
     source pool's rank r, `src_model`/`src_cache` its geometry (the TP degree may differ), each
-    move `(src_page, dst_page, kind, nbytes)` with kind "kda" or "mla" and nbytes an MLA page's
-    filled prefix (0: whole page). Acked with the bytes received once every byte is in place."""
+    move `(src_page, dst_page, kind, nbytes)` with kind "kda" or "mla" and nbytes a
+    full-attention page's filled prefix in the source's token rows (0: whole page; a GQA rank's
+    row depends on the TP degree). Acked with the bytes received once every byte is in place."""
 
     op: ClassVar[str] = "fetch"
     reply: ClassVar[Any] = int
