@@ -29,12 +29,18 @@ from index.store import pool_keys
 from tests.cluster_harness import TOKEN, running_agent, running_service
 from tinymodel import TinyHybrid
 
-TINY = PRESETS["tiny"]
-MODEL = TinyHybrid(TINY.model)
+FAMILIES = ["tiny", "tiny-gqa"]  # KDA + MLA, Gated DeltaNet + GQA
+MODELS = {name: TinyHybrid(PRESETS[name].model) for name in FAMILIES}
 SMALL = SessionSpec(sessions=3, turns=2, system_prompts=2, tool_sets=1, system_tokens=(10, 40),
                     tool_tokens=(5, 20), message_tokens=(3, 15), tool_output_tokens=(5, 30),
                     reply_tokens=(3, 10), fork_fraction=0.4, think_steps=(0, 2))
 _pools = itertools.count()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    """The preset of the model family the test serves."""
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -54,10 +60,12 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def tier_for(redis_url: str, num_pages: int) -> AsyncIterator[tuple[CacheTierClient, str,
-                                                                          PagedPool, Config]]:
-    """A service, one agent and a client on a fresh pool of `num_pages` pages."""
-    config = replace(TINY, cache=replace(TINY.cache, num_pages=num_pages))
+async def tier_for(redis_url: str, num_pages: int, family: str = "tiny"
+                   ) -> AsyncIterator[tuple[CacheTierClient, str, PagedPool, Config]]:
+    """A service, one agent and a client on a fresh pool of `num_pages` pages of `family`'s
+    preset."""
+    base = PRESETS[family]
+    config = replace(base, cache=replace(base.cache, num_pages=num_pages))
     pool_id = f"e{next(_pools)}"
     async with (running_service(redis_url, config) as service,
                 running_agent(service.url, pool=pool_id) as agent,
@@ -68,8 +76,8 @@ async def tier_for(redis_url: str, num_pages: int) -> AsyncIterator[tuple[CacheT
 async def serve(tier: CacheTierClient, pool_id: str, pool: PagedPool, config: Config,
                 sessions: list[Session], policy: CheckpointPlacement = BRANCH,
                 chunk: int = 24) -> Served:
-    scheduler = PrefillScheduler(tier, pool_id, config, policy, MODEL, [pool], chunk_tokens=chunk,
-                                 max_batch=4)
+    scheduler = PrefillScheduler(tier, pool_id, config, policy, MODELS[config.model.name], [pool],
+                                 chunk_tokens=chunk, max_batch=4)
     return Served(await scheduler.run(sessions), scheduler, pool)
 
 
@@ -84,13 +92,13 @@ async def check_pool(redis, pool_id: str, config: Config) -> None:
 @example(seed=4917, chunk=16, policy='branch', pages=256)
 @given(seed=st.integers(0, 10_000), chunk=st.integers(5, 70),
        policy=st.sampled_from(sorted(PLACEMENTS)), pages=st.sampled_from([40, 256]))
-async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url, seed, chunk,
-                                                                 policy, pages):
+async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url, family, seed,
+                                                                 chunk, policy, pages):
     """Random agentic workloads: shared system prompts, forks part-way through a turn, multi-turn
     sessions interleaved within steps, chunk sizes unrelated to the 16-token hash block, and a
-    40-page pool where eviction runs all the time."""
+    40-page pool where eviction runs all the time; for both model families."""
     sessions = make_sessions(replace(SMALL, seed=seed))
-    async with tier_for(redis_url, pages) as (tier, pool_id, pool, config):
+    async with tier_for(redis_url, pages, family) as (tier, pool_id, pool, config):
         served = await serve(tier, pool_id, pool, config, sessions, PLACEMENTS[policy], chunk)
     bad = [r for r in served.results if not r.verified]
     assert not bad, f"outputs differ from recompute: {bad}"
@@ -102,7 +110,8 @@ async def test_every_output_after_a_hit_equals_a_cold_recompute(redis, redis_url
 
 
 @pytest.mark.parametrize("policy", sorted(PLACEMENTS))
-async def test_a_turn_that_ends_on_another_requests_intermediate_keeps_it(redis, redis_url, policy):
+async def test_a_turn_that_ends_on_another_requests_intermediate_keeps_it(redis, redis_url, family,
+                                                                         policy):
     """The hypothesis example seed=4917: `a` checkpoints 16 as an intermediate in step 0; `b`
     (sharing 21 tokens) arrives in step 1 and hits there, and 16 is its turn end, so its one pass
     (16 -> 25) writes no checkpoint; `a`'s turn-end commit in that step recycles its intermediate.
@@ -110,7 +119,7 @@ async def test_a_turn_that_ends_on_another_requests_intermediate_keeps_it(redis,
     a = list(range(1000, 1040))
     b = a[:21] + list(range(2000, 2004))
     sessions = [Session("a", [a], [0]), Session("b", [b, b + list(range(3000, 3011))], [0, 0])]
-    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+    async with tier_for(redis_url, 256, family) as (tier, pool_id, pool, config):
         served = await serve(tier, pool_id, pool, config, sessions, PLACEMENTS[policy], chunk=16)
         await check_pool(redis, pool_id, config)
     hits = {(r.session, r.turn): r.hit_tokens for r in served.results}
@@ -119,18 +128,20 @@ async def test_a_turn_that_ends_on_another_requests_intermediate_keeps_it(redis,
 
 
 @pytest.mark.parametrize("part", ["conv", "recurrent"])
-async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redis_url, part):
+async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redis_url, family,
+                                                                      part):
     """The check can fail: 40 bytes of one part of one layer's state in the checkpoint a later turn
     restores are scribbled (the conv rows of a few v channels, or one head's recurrent matrix)."""
     first = [0, *range(1000, 1100)]
     follow_up = first + list(range(5000, 5040))
-    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+    async with tier_for(redis_url, 256, family) as (tier, pool_id, pool, config):
         await serve(tier, pool_id, pool, config, [Session("a", [first], [0])])
         state = await read_pool(redis, pool_keys(pool_id))
         (lead,) = state.ck.values()
         page = state.pages[lead]["pages"][1]              # the second KDA group's page
         layout = pool.layout
-        (_, _, (_, v_rows)), = [layout.conv_rows(range(1, 2))]
+        group = layout.model.value_heads_per_key_head  # GDN: the heads of one key head
+        (_, _, (_, v_rows)), = [layout.conv_rows(range(group, 2 * group))]
         start = (layout.conv_range(v_rows) if part == "conv" else layout.kda_head_range(1)).offset
         assert (start + 40 <= layout.recurrent_offset) == (part == "conv")
         pool.buffer[0, page, start:start + 40] += 1
@@ -140,23 +151,23 @@ async def test_a_corrupted_checkpoint_page_is_reported_as_a_mismatch(redis, redi
     assert result.verified is False and result.max_abs_error > 0
 
 
-async def test_an_untouched_pool_gives_the_same_turn_a_clean_verdict(redis, redis_url):
+async def test_an_untouched_pool_gives_the_same_turn_a_clean_verdict(redis, redis_url, family):
     """The control of the test above: same prompts, no scribble, no mismatch."""
     first = [0, *range(1000, 1100)]
     follow_up = first + list(range(5000, 5040))
-    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+    async with tier_for(redis_url, 256, family) as (tier, pool_id, pool, config):
         await serve(tier, pool_id, pool, config, [Session("a", [first], [0])])
         served = await serve(tier, pool_id, pool, config, [Session("b", [follow_up], [0])])
     (result,) = served.results
     assert result.hit_tokens == len(first) // 16 * 16 and result.verified is True
 
 
-async def test_checkpoints_stay_sparse_one_per_turn_plus_branch_points(redis, redis_url):
+async def test_checkpoints_stay_sparse_one_per_turn_plus_branch_points(redis, redis_url, family):
     spec = SessionSpec(sessions=4, turns=3, fork_fraction=0.0, system_tokens=(40, 80),
                        tool_tokens=(20, 40), message_tokens=(10, 30), tool_output_tokens=(20, 60),
                        reply_tokens=(5, 15))
     sessions = make_sessions(spec)
-    async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+    async with tier_for(redis_url, 256, family) as (tier, pool_id, pool, config):
         served = await serve(tier, pool_id, pool, config, sessions, BRANCH, chunk=16)
         state = await read_pool(redis, pool_keys(pool_id))
     assert all(r.verified for r in served.results)
@@ -169,7 +180,8 @@ async def test_checkpoints_stay_sparse_one_per_turn_plus_branch_points(redis, re
     assert len(state.ck) * 4 < blocks
 
 
-async def test_a_branch_point_checkpoint_serves_the_next_session_at_full_depth(redis, redis_url):
+async def test_a_branch_point_checkpoint_serves_the_next_session_at_full_depth(redis, redis_url,
+                                                                               family):
     """Three sessions share a 70-token prefix that no turn ends on. With `seed` the third still
     finds no checkpoint inside it; with `branch` the second one leaves one at the MLA match end
     (64 tokens) and the third hits there."""
@@ -177,7 +189,7 @@ async def test_a_branch_point_checkpoint_serves_the_next_session_at_full_depth(r
     prompts = [shared + list(range(n * 100, n * 100 + 30)) for n in (10, 20, 30)]
     hits = {}
     for policy in (SEED, BRANCH):
-        async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+        async with tier_for(redis_url, 256, family) as (tier, pool_id, pool, config):
             results = []
             for n, prompt in enumerate(prompts):
                 served = await serve(tier, pool_id, pool, config, [Session(f"s{n}", [prompt], [0])],
@@ -222,7 +234,7 @@ def test_first_steps_carry_the_class_the_policy_keeps_the_turn_end_as(policy, pr
 
 @pytest.mark.parametrize("policy", sorted(PLACEMENTS))
 async def test_a_resent_prompt_hits_one_block_short_and_its_next_turn_at_its_end(redis, redis_url,
-                                                                                 policy):
+                                                                                 family, policy):
     """A prompt, the same prompt again, then its next turn, for a block-aligned prompt within a
     page (48 tokens), one of two pages (128) and one that is not aligned (100): the resend hits
     at (P - 1) // 16 * 16 (the aligned prompt's resend point, one block before its turn end), the
@@ -230,7 +242,7 @@ async def test_a_resent_prompt_hits_one_block_short_and_its_next_turn_at_its_end
     for length in (48, 128, 100):
         prompt = list(range(7000, 7000 + length))
         turns = [prompt, prompt, prompt + list(range(8000, 8020))]
-        async with tier_for(redis_url, 256) as (tier, pool_id, pool, config):
+        async with tier_for(redis_url, 256, family) as (tier, pool_id, pool, config):
             results = []
             for n, tokens in enumerate(turns):
                 served = await serve(tier, pool_id, pool, config, [Session(f"s{n}", [tokens], [0])],

@@ -11,14 +11,25 @@ from gpu_pool.layout import ByteRange, PageLayout
 
 TINY = PageLayout.from_specs(PRESETS["tiny"].model, PRESETS["tiny"].cache)
 KIMI = PageLayout.from_specs(PRESETS["kimi-k3"].model, PRESETS["kimi-k3"].cache)
+QWEN = PageLayout.from_specs(PRESETS["qwen3-next"].model, PRESETS["qwen3-next"].cache)
+TINY_GQA = PageLayout.from_specs(PRESETS["tiny-gqa"].model, PRESETS["tiny-gqa"].cache)
+# the real geometries of both families, at every degree that splits Qwen3-Next's 16 key heads
+REAL = [pytest.param(name, tp, id=f"{name}-tp{tp}")
+        for name, degrees in (("kimi-k3", (1, 2, 4, 8, 3)), ("qwen3-next", (1, 2, 4, 8, 16)))
+        for tp in degrees]
 
 
-def kimi_at(tp_degree: int) -> PageLayout:
-    cfg = PRESETS["kimi-k3"]
+def at(name: str, tp_degree: int) -> PageLayout:
+    cfg = PRESETS[name]
     return PageLayout.from_specs(dataclasses.replace(cfg.model, tp_degree=tp_degree), cfg.cache)
 
 
-@pytest.mark.parametrize("layout", [TINY, KIMI], ids=["tiny", "kimi-k3"])
+def kimi_at(tp_degree: int) -> PageLayout:
+    return at("kimi-k3", tp_degree)
+
+
+@pytest.mark.parametrize("layout", [TINY, KIMI, TINY_GQA, QWEN],
+                         ids=["tiny", "kimi-k3", "tiny-gqa", "qwen3-next"])
 def test_one_page_size_holds_either_type(layout: PageLayout) -> None:
     geo = layout.geometry
     assert layout.page_bytes == geo.page_bytes >= max(geo.mla_page_bytes, geo.kda_page_bytes)
@@ -41,9 +52,17 @@ def test_kimi_sizes_match_the_seed() -> None:
     assert KIMI.geometry.mla_page_bytes == 6144 * 576 * 2 == KIMI.page_bytes
 
 
-@pytest.mark.parametrize("tp_degree", [1, 2, 4, 8, 3], ids=lambda d: f"tp{d}")
-def test_head_streams_tile_each_ranks_kda_page(tp_degree: int) -> None:
-    layout = kimi_at(tp_degree)
+def test_qwen3_next_sizes_match_its_config() -> None:
+    assert QWEN.head_bytes == 128 * 128 * 2
+    assert QWEN.recurrent_offset == (2 * 16 * 128 + 32 * 128) * 3 * 2  # conv_dim 8,192
+    assert QWEN.geometry.kda_page_bytes == QWEN.recurrent_offset + 32 * 128 * 128 * 2
+    assert QWEN.geometry.mla_page_bytes == 512 * 2 * 2 * 256 * 2  # 2 KV heads, K and V
+    assert QWEN.page_bytes == QWEN.geometry.kda_page_bytes == 1097728
+
+
+@pytest.mark.parametrize("name, tp_degree", REAL)
+def test_head_streams_tile_each_ranks_kda_page(name: str, tp_degree: int) -> None:
+    layout = at(name, tp_degree)
     for rank in range(tp_degree):
         heads = layout.rank_heads(rank)
         streams = [layout.kda_head_range(h, rank) for h in heads]
@@ -53,12 +72,14 @@ def test_head_streams_tile_each_ranks_kda_page(tp_degree: int) -> None:
         assert not any(a.overlaps(b) for a, b in zip(streams, streams[1:]))
 
 
-@pytest.mark.parametrize("tp_degree", [1, 2, 4, 8, 3], ids=lambda d: f"tp{d}")
-def test_conv_rows_of_each_head_tile_each_ranks_conv_block(tp_degree: int) -> None:
-    layout = kimi_at(tp_degree)
+@pytest.mark.parametrize("name, tp_degree", REAL)
+def test_conv_rows_of_each_head_tile_each_ranks_conv_block(name: str, tp_degree: int) -> None:
+    """Per key-head group (one value head for KDA, two for Qwen3-Next's GDN)."""
+    layout = at(name, tp_degree)
+    group = layout.model.value_heads_per_key_head
     for rank in range(tp_degree):
-        runs = [layout.conv_range(local) for h in layout.rank_heads(rank)
-                for _, local in layout.conv_rows(range(h, h + 1), rank)]
+        runs = [layout.conv_range(local) for h in layout.rank_heads(rank)[::group]
+                for _, local in layout.conv_rows(range(h, h + group), rank)]
         runs.sort(key=lambda r: r.offset)
         assert runs[0].offset == 0 and runs[-1].end == layout.recurrent_offset
         assert all(a.end == b.offset for a, b in zip(runs, runs[1:]))
@@ -87,6 +108,33 @@ def test_conv_rows_of_a_head_run_are_its_q_k_and_v_channels() -> None:
         layout.conv_rows(range(70, 73), rank=2)
     with pytest.raises(ValueError, match="outside a 9216-channel conv block"):
         layout.conv_range(range(9000, 9217))
+
+
+def test_gdn_conv_rows_split_q_k_by_key_heads_and_v_by_value_heads() -> None:
+    layout = at("qwen3-next", 4)  # rank 1: value heads 8..15, key heads 4..7
+    q, k = 16 * 128, 2 * 16 * 128  # where the k and v parts start in the unsharded layer
+    assert layout.rank_key_heads(1) == range(4, 8)
+    assert layout.conv_rows(range(10, 12), rank=1) == [
+        (range(5 * 128, 6 * 128), range(128, 2 * 128)),
+        (range(q + 5 * 128, q + 6 * 128), range(512 + 128, 512 + 2 * 128)),
+        (range(k + 10 * 128, k + 12 * 128), range(1024 + 2 * 128, 1024 + 4 * 128))]
+    assert layout.model.conv_rank_channels == 4 * 128 * 2 + 8 * 128
+    with pytest.raises(ValueError, match="split a group of 2"):
+        layout.conv_rows(range(9, 11), rank=1)
+
+
+@pytest.mark.parametrize("name, tp_degree, expected", [
+    ("qwen3-next", 1, [range(0, 2)]),
+    ("qwen3-next", 2, [range(0, 1), range(1, 2)]),
+    ("qwen3-next", 4, [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]),
+    ("kimi-k3", 3, [range(0, 1)] * 3),  # the MLA latent: one unit on every rank
+])
+def test_kv_heads_split_over_ranks_then_replicate(name: str, tp_degree: int,
+                                                  expected: list[range]) -> None:
+    layout = at(name, tp_degree)
+    assert [layout.rank_attn_heads(r) for r in range(tp_degree)] == expected
+    per_rank = len(expected[0]) * layout.model.attn_head_bytes
+    assert layout.mla_token_range(0, 3) == ByteRange(0, 3 * per_rank)  # a prefix, per rank
 
 
 @pytest.mark.parametrize("head, rank", [(0, 1), (24, 0), (96, 3)], ids=["below", "above", "past-end"])

@@ -20,9 +20,12 @@ from gpu_pool.sharing import HostShm
 TINY = PRESETS["tiny"]
 BF16_MODEL = dataclasses.replace(TINY.model, kda_state_dtype="bfloat16", conv_dtype="bfloat16",
                                  mla_dtype="bfloat16", mla_latent_dim=32)
+# the GDN + GQA family with tiny's 4 value heads (over 2 key heads): token rows of 2 KV heads
+GQA_MODEL = dataclasses.replace(PRESETS["tiny-gqa"].model, kda_heads=4, kda_key_heads=2)
 SMALL_CACHE = dataclasses.replace(TINY.cache, num_pages=8)
-BY_DTYPE = pytest.mark.parametrize("pool", [(TINY.model, False), (BF16_MODEL, False)],
-                                   ids=["fp32", "bf16"], indirect=True)
+BY_DTYPE = pytest.mark.parametrize("pool", [(TINY.model, False), (BF16_MODEL, False),
+                                            (GQA_MODEL, False)],
+                                   ids=["fp32", "bf16", "gdn-gqa"], indirect=True)
 DEBUG = pytest.mark.parametrize("pool", [(TINY.model, True)], ids=["debug"], indirect=True)
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -49,6 +52,13 @@ def test_views_have_the_layout_shapes_and_dtypes(pool: PagedPool) -> None:
     assert pool.kda_view(1).shape == (2, 4, 16, 16)
     assert pool.kda_view(1, heads=slice(1, 3)).shape == (2, 2, 16, 16)
     assert pool.conv_view(1).shape == (2, 192, 3) and pool.conv_view(1).dtype == torch.float32
+
+
+@pytest.mark.parametrize("pool", [(GQA_MODEL, False)], ids=["gdn-gqa"], indirect=True)
+def test_gqa_views_hold_kv_heads_per_token_and_gdn_conv_by_key_heads(pool: PagedPool) -> None:
+    assert pool.mla_view(1).shape == (2, 64, 2 * 2 * 8)  # per token: K, V of head 0, then head 1
+    assert pool.kda_view(1).shape == (2, 4, 16, 16)
+    assert pool.conv_view(1).shape == (2, 2 * 2 * 16 + 4 * 16, 3)  # q, k of 2 key heads; v of 4
 
 
 def test_views_alias_the_buffer_at_the_layout_offsets(pool: PagedPool) -> None:

@@ -1,5 +1,8 @@
 """The tiny hybrid model as an oracle: pool runs equal the cold recompute, and the check can fail.
 
+Every test that runs the model runs it for both families, `tiny` (KDA + MLA) and `tiny-gqa` (Gated
+DeltaNet + GQA): the module's fixtures are parametrized by the preset.
+
 Prompt A is prefilled once per module through the pool, in chunks that cross hash blocks mid-chunk,
 leaving its MLA pages and one checkpoint per crossed block; later tests resume other requests from
 those pages, always through copies (restore, copy-on-write) so A's shared pages stay untouched.
@@ -19,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachetier.config import load_config
+from cachetier.config import Config, load_config
 from gpu_pool.layout import ByteRange, PageKind
 from gpu_pool.pool import PageKindError, PagedPool
 from index.records import PageCopy, RequestPlan
@@ -29,6 +32,7 @@ from tinymodel import (ChunkError, ChunkRequest, PoolMismatch, TinyHybrid, Unsup
 from tinymodel.state import KdaState
 
 TINY = load_config("tiny")
+FAMILIES = ["tiny", "tiny-gqa"]
 BLOCK, PAGE = TINY.cache.hash_block_tokens, TINY.cache.page_tokens
 PROMPT = np.random.default_rng(7).integers(0, 2**32, 150, dtype=np.uint64)
 A_BOUNDS = (0, 40, 70, 110, 128, 150)  # snapshots at 32, 64, 96, 144 inside a chunk, 128 at its end
@@ -53,30 +57,39 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def model() -> TinyHybrid:
-    return TinyHybrid(TINY.model, seed=1)
+@pytest.fixture(scope="module", params=FAMILIES)
+def config(request: pytest.FixtureRequest) -> Config:
+    """The preset of the family under test (both share `TINY.cache`)."""
+    config = load_config(request.param)
+    assert config.cache == TINY.cache
+    return config
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PagedPool]:
-    with PagedPool.create(TINY.model, TINY.cache) as p:
+def model(config: Config) -> TinyHybrid:
+    return TinyHybrid(config.model, seed=1)
+
+
+@pytest.fixture(scope="module")
+def pool(config: Config) -> Iterator[PagedPool]:
+    with PagedPool.create(config.model, config.cache) as p:
         yield p
 
 
 @pytest.fixture
-def rank_pools() -> Iterator[RankPools]:
-    """Creates the pools of every rank of TINY's model at a TP degree, closed after the test."""
+def rank_pools(config: Config) -> Iterator[RankPools]:
+    """Creates the pools of every rank of the family's model at a TP degree, closed after the
+    test."""
     with contextlib.ExitStack() as stack:
         def create(degree: int, num_pages: int) -> list[PagedPool]:
-            spec = dataclasses.replace(TINY.model, tp_degree=degree)
-            cache = dataclasses.replace(TINY.cache, num_pages=num_pages)
+            spec = dataclasses.replace(config.model, tp_degree=degree)
+            cache = dataclasses.replace(config.cache, num_pages=num_pages)
             return [stack.enter_context(PagedPool.create(spec, cache)) for _ in range(degree)]
         yield create
 
 
 @pytest.fixture(scope="module")
-def page_ids() -> Iterator[int]:
+def page_ids(config: Config) -> Iterator[int]:
     return iter(range(SCRATCH.start))
 
 
@@ -169,21 +182,24 @@ def per_token_kda(model: TinyHybrid, hidden: torch.Tensor, state: KdaState,
                   split: int) -> tuple[torch.Tensor, KdaState, KdaState]:
     """The short convolution and the gated delta rule token by token, in float64: the definition
     `ops.kda_span` computes in blocks. Returns (hidden out, final state, state after `split`
-    tokens)."""
+    tokens). KDA decays per key channel, GDN per head (one gate per head, broadcast over K), and
+    GDN's value heads read their group's key head."""
     dims, w = model.dims, model.weights.kda[0][0]
-    heads, k_dim, v_dim = dims.kda_heads, dims.kda_k, dims.kda_v
+    heads, keys, k_dim, v_dim = dims.kda_heads, dims.key_heads, dims.kda_k, dims.kda_v
+    gates = dims.gate_width // heads
     x = torch.nn.functional.rms_norm(hidden.double(), (dims.d_model,), w.norm.double(), 1e-6)
     qkv, gate, strength = (x @ w.w_in.double()).split(
-        (dims.conv_channels, heads * k_dim, heads), dim=-1)
-    decay = torch.sigmoid(gate.view(-1, heads, k_dim, 1) + w.a_bias.double())
+        (dims.conv_channels, heads * gates, heads), dim=-1)
+    decay = torch.sigmoid(gate.view(-1, heads, gates, 1) + w.a_bias.double())
     beta = torch.sigmoid(strength)
     rows, s, reads, snapshot = state.conv.double(), state.recurrent.double(), [], None
     for t in range(hidden.shape[0]):
         window = torch.cat((rows, qkv[t].unsqueeze(1)), dim=1)  # [C, kernel], oldest first
         mixed = torch.nn.functional.silu((window * w.conv.double()).sum(dim=1))
         rows = window[:, 1:]
-        qk, v = mixed.split((2 * heads * k_dim, heads * v_dim))
-        q, k = torch.nn.functional.normalize(qk.view(2, heads, k_dim), dim=-1).unbind(0)
+        qk, v = mixed.split((2 * keys * k_dim, heads * v_dim))
+        qk = torch.nn.functional.normalize(qk.view(2, keys, k_dim), dim=-1)
+        q, k = qk.repeat_interleave(heads // keys, dim=1).unbind(0)
         s = s * decay[t]
         error = v.view(heads, v_dim) - torch.einsum("hk,hkv->hv", k, s)
         s = s + beta[t].view(heads, 1, 1) * k.unsqueeze(-1) * error.unsqueeze(1)
@@ -246,8 +262,8 @@ def hidden_before(model: TinyHybrid, slot: int) -> torch.Tensor:
         for group in range(dims.kda_groups):
             hidden, _, _ = ops.kda_span(w.kda[group][block], dims, hidden, KdaState.zeros(dims))
         for group in range(dims.mla_groups):
-            rows = ops.mla_rows(w.mla[group][block], hidden, 0)
-            hidden = ops.mla_span(w.mla[group][block], dims, hidden, 0, rows)
+            rows = ops.attention_rows(w.mla[group][block], dims, hidden, 0)
+            hidden = ops.attention_span(w.mla[group][block], dims, hidden, 0, rows)
     raise AssertionError("unreachable")
 
 
@@ -310,7 +326,9 @@ def test_corrupt_conv_rows_alone_change_the_outputs(
     checkpoint that restored only the recurrent matrix would pass this test."""
     checkpoint = take(page_ids, 3)
     restore(pool, prefilled.snapshots[96], checkpoint)
-    _, local = pool.layout.conv_rows(range(head, head + 1))[part]
+    group_size = model.dims.kda_heads // model.dims.key_heads  # GDN: heads sharing a key head
+    first = head - head % group_size
+    _, local = pool.layout.conv_rows(range(first, first + group_size))[part]
     rows = pool.layout.conv_range(local[channel:channel + 1])
     assert rows.end <= pool.layout.recurrent_offset
     corrupt(pool, checkpoint[group], slot, rows)
@@ -348,9 +366,9 @@ def test_type_confused_pages_give_different_outputs(model: TinyHybrid, pool: Pag
     assert not outputs_match(model.forward(pool, [confused])[0], reference[96:110])
 
 
-def test_a_debug_pool_refuses_a_type_confused_page(model: TinyHybrid) -> None:
-    cache = dataclasses.replace(TINY.cache, num_pages=8)
-    with PagedPool.create(TINY.model, cache, debug=True) as pool:
+def test_a_debug_pool_refuses_a_type_confused_page(model: TinyHybrid, config: Config) -> None:
+    cache = dataclasses.replace(config.cache, num_pages=8)
+    with PagedPool.create(config.model, cache, debug=True) as pool:
         for page, kind in [(0, PageKind.MLA), *((p, PageKind.KDA) for p in range(1, 4))]:
             pool.tag(page, kind)
         [out] = model.forward(pool, [ChunkRequest(PROMPT, 0, 20, [[0]], [1, 2, 3])])
@@ -364,7 +382,8 @@ def test_a_debug_pool_refuses_a_type_confused_page(model: TinyHybrid) -> None:
 def test_the_model_sizes_are_the_pool_layout(model: TinyHybrid, pool: PagedPool) -> None:
     model.check_pool(pool)
     layout, dims = pool.layout, model.dims
-    assert layout.mla_token_range(0, 1).size == dims.mla_row * 4 == 64
+    row = 64 if dims.attention_kind == "mla" else 2 * 2 * 8 * 4  # latent; K and V of 2 heads
+    assert layout.mla_token_range(0, 1).size == dims.attn_units * dims.attn_unit_elems * 4 == row
     assert layout.kda_head_range(0).size == dims.kda_k * dims.kda_v * 4 == 1024
     assert layout.layer_slots == dims.blocks and layout.rank_heads(0) == range(dims.kda_heads)
 
@@ -374,13 +393,16 @@ def test_the_model_sizes_are_the_pool_layout(model: TinyHybrid, pool: PagedPool)
     ({"kda_state_dtype": "bfloat16"}, "kda_state_dtype='bfloat16'"),
     ({"conv_dtype": "bfloat16"}, "conv_dtype='bfloat16'"),
     ({"mla_latent_dim": 4}, "no latent beside rope_dim=4"),
+    ({"attention_kind": "gqa", "mla_latent_dim": 0, "gqa_kv_heads": 2, "gqa_head_dim": 3},
+     "gqa_head_dim=3 must be even"),
 ])
 def test_a_spec_the_model_cannot_serve_is_refused(change: dict[str, object], message: str) -> None:
     with pytest.raises(UnsupportedModel, match=message):
         TinyHybrid(dataclasses.replace(TINY.model, **change))
 
 
-def test_a_pool_laid_out_for_another_model_is_refused(model: TinyHybrid) -> None:
+def test_a_pool_laid_out_for_another_model_is_refused() -> None:
+    model = TinyHybrid(TINY.model)
     other = dataclasses.replace(TINY.model, mla_latent_dim=32, kda_heads=2)
     mismatch = "KDA heads: model 4, pool 2.*attention unit bytes: model 64, pool 128"
     with (PagedPool.create(other, dataclasses.replace(TINY.cache, num_pages=4)) as pool,
@@ -407,10 +429,10 @@ def test_an_inconsistent_chunk_is_refused(model: TinyHybrid, pool: PagedPool,
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
-def test_a_pool_on_any_device_serves_the_cpu_model(model: TinyHybrid, reference: torch.Tensor,
-                                                   device: str) -> None:
-    cache = dataclasses.replace(TINY.cache, num_pages=11)
-    with PagedPool.create(TINY.model, cache, device) as pool:
+def test_a_pool_on_any_device_serves_the_cpu_model(model: TinyHybrid, config: Config,
+                                                   reference: torch.Tensor, device: str) -> None:
+    cache = dataclasses.replace(config.cache, num_pages=11)
+    with PagedPool.create(config.model, cache, device) as pool:
         outputs, snapshots = prefill(model, pool, PROMPT[:80], [0, 23, 80], [[0, 1]], [2, 3, 4],
                                      iter(range(5, 11)))
         assert outputs_match(outputs, reference[:80])
@@ -418,8 +440,8 @@ def test_a_pool_on_any_device_serves_the_cpu_model(model: TinyHybrid, reference:
     assert outputs_match(out, reference[80:90]) and list(snapshots) == [16, 80]
 
 
-def test_a_full_attention_model_runs_from_its_mla_pages_alone() -> None:
-    spec = dataclasses.replace(TINY.model, kda_groups=0)
+def test_a_full_attention_model_runs_from_its_mla_pages_alone(config: Config) -> None:
+    spec = dataclasses.replace(config.model, kda_groups=0)
     model = TinyHybrid(spec)
     tokens = PROMPT[:70]
     with PagedPool.create(spec, dataclasses.replace(TINY.cache, num_pages=4)) as pool:
@@ -438,9 +460,9 @@ def test_a_request_plan_maps_onto_a_chunk() -> None:
     assert not chunk.fresh_state
 
 
-def test_the_weights_do_not_depend_on_the_tp_degree(model: TinyHybrid,
+def test_the_weights_do_not_depend_on_the_tp_degree(model: TinyHybrid, config: Config,
                                                     reference: torch.Tensor) -> None:
-    other = TinyHybrid(dataclasses.replace(TINY.model, tp_degree=4), seed=1)
+    other = TinyHybrid(dataclasses.replace(config.model, tp_degree=4), seed=1)
     assert other.dims == model.dims
     assert torch.equal(other.weights.kda[2][1].w_in, model.weights.kda[2][1].w_in)
     assert torch.equal(other.recompute(PROMPT), reference)  # the same ops on the same weights
@@ -465,26 +487,35 @@ def test_each_rank_pool_holds_exactly_its_heads(model: TinyHybrid,
                                                 rank_pools: RankPools) -> None:
     """The same chunks on one TP=1 pool and on two TP=2 pools (full of stale bytes): rank r's KDA
     pages hold the TP=1 bytes of its heads (recurrent matrices and q, k, v conv rows) at its own
-    offsets, its MLA pages the same rows, and no other byte changes."""
+    offsets, its full-attention pages the same rows of its units (the MLA latent, or its GQA KV
+    head), and no other byte changes."""
     [single], pools = rank_pools(1, 11), rank_pools(2, 11)
     before = [fill_with_garbage(pool, seed=rank) for rank, pool in enumerate(pools)]
     bounds, mla, state = [0, 23, 80], [[0, 1]], [2, 3, 4]
     _, snapshots = prefill(model, single, PROMPT[:80], bounds, mla, state, iter(range(5, 11)))
     prefill(model, pools, PROMPT[:80], bounds, mla, state, iter(range(5, 11)))
     kda_pages = state + [page for pages in snapshots.values() for page in pages]
-    mla_rows = [(0, single.layout.mla_token_range(0, PAGE)),
-                (1, single.layout.mla_token_range(0, 80 - PAGE))]
+    mla_tokens = [(0, PAGE), (1, 80 - PAGE)]
+    group = model.dims.kda_heads // model.dims.key_heads  # value heads reading one key head
+    unit = single.layout.model.attn_head_bytes
     for rank, pool in enumerate(pools):
         expected = before[rank].view(-1).clone()
-        for slot in range(pool.layout.layer_slots):
-            for page, head in itertools.product(kda_pages, pool.layout.rank_heads(rank)):
-                put(expected, pool, single, page, slot, pool.layout.kda_head_range(head, rank),
+        layout = pool.layout
+        for slot in range(layout.layer_slots):
+            for page, head in itertools.product(kda_pages, layout.rank_heads(rank)):
+                put(expected, pool, single, page, slot, layout.kda_head_range(head, rank),
                     single.layout.kda_head_range(head))
-                for ours, theirs in pool.layout.conv_rows(range(head, head + 1), rank):
-                    put(expected, pool, single, page, slot, pool.layout.conv_range(theirs),
+            for page, first in itertools.product(kda_pages, layout.rank_heads(rank)[::group]):
+                for ours, theirs in layout.conv_rows(range(first, first + group), rank):
+                    put(expected, pool, single, page, slot, layout.conv_range(theirs),
                         single.layout.conv_range(ours))
-            for page, tokens in mla_rows:
-                put(expected, pool, single, page, slot, tokens, tokens)
+            units = layout.rank_attn_heads(rank)
+            for (page, tokens), token in itertools.product(mla_tokens, range(PAGE)):
+                if token < tokens:
+                    at = layout.mla_token_range(token, token + 1).offset
+                    within = single.layout.mla_token_range(token, token + 1).offset
+                    put(expected, pool, single, page, slot, ByteRange(at, len(units) * unit),
+                        ByteRange(within + units.start * unit, len(units) * unit))
         assert torch.equal(pool.buffer.view(-1), expected), f"rank {rank}"
 
 

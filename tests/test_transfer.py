@@ -30,8 +30,9 @@ from gpu_pool import PageKind, PageLayout, PagedPool
 from gpu_pool.streams import PageMove, Stream, plan_fetch
 from gpu_pool.transfer import (STREAM_HEADER, BadStreamHeader, PageServer, StreamsAccepted, fetch,
                                pull)
-from tests.tp_cases import (CACHE, DST_PAGES, EIGHT_HEADS, NINETY_SIX_HEADS, SRC_PAGES, States,
-                            full_states, rank_pools, shard, write_rank)
+from tests.tp_cases import (CACHE, DST_PAGES, EIGHT_HEADS, GDN_NINETY_SIX_HEADS, GDN_SIXTEEN_HEADS,
+                            NINETY_SIX_HEADS, SRC_PAGES, States, attention_rows, full_states,
+                            rank_pools, rank_rows, shard, write_rank)
 
 TOKEN = "peer-token"
 MLA_SRC = [1, 2, 4]
@@ -55,6 +56,16 @@ RESHARDS = [
     pytest.param(dataclasses.replace(EIGHT_HEADS, conv_dtype="bfloat16"), 4, 2,
                  id="bf16-conv-fp32-state-4->2"),
     pytest.param(dataclasses.replace(EIGHT_HEADS, conv_kernel=1), 2, 4, id="no-conv-2->4"),
+    pytest.param(GDN_SIXTEEN_HEADS, 1, 1, id="gdn-1->1"),
+    pytest.param(GDN_SIXTEEN_HEADS, 1, 2, id="gdn-1->2"),
+    pytest.param(GDN_SIXTEEN_HEADS, 2, 4, id="gdn-2->4"),
+    pytest.param(GDN_SIXTEEN_HEADS, 4, 2, id="gdn-4->2"),
+    pytest.param(GDN_SIXTEEN_HEADS, 8, 1, id="gdn-8->1"),
+    pytest.param(GDN_NINETY_SIX_HEADS, 3, 2, id="gdn-96heads-3->2"),
+    pytest.param(GDN_NINETY_SIX_HEADS, 2, 3, id="gdn-96heads-2->3"),
+    pytest.param(dataclasses.replace(GDN_SIXTEEN_HEADS, kda_state_dtype="bfloat16",
+                                     conv_dtype="bfloat16", mla_dtype="bfloat16"), 2, 4,
+                 id="gdn-bf16-2->4"),
 ]
 
 
@@ -77,12 +88,11 @@ async def serving(pools: list[PagedPool]) -> AsyncIterator[list[str]]:
 
 
 def mla_latents(model: ModelSpec) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(len(MLA_SRC), model.layers_per_group, CACHE.page_tokens, model.mla_latent_dim,
-                       generator=g)
+    return attention_rows(model, len(MLA_SRC), CACHE.page_tokens)
 
 
 def moves(model: ModelSpec) -> list[PageMove]:
+    """The moves, sized in `model`'s token rows: the source's (a GQA rank's row depends on TP)."""
     kda = [PageMove(s, d, PageKind.KDA) for s, d in zip(SRC_PAGES, DST_PAGES)]
     mla = [PageMove(s, d, PageKind.MLA, n * model.mla_token_bytes if n < CACHE.page_tokens else 0)
            for s, d, n in zip(MLA_SRC, MLA_DST, MLA_TOKENS)]
@@ -105,16 +115,16 @@ def expected_buffer(model: ModelSpec, rank: int, before: torch.Tensor, states: S
         for i, page in enumerate(DST_PAGES):
             write_rank(ref, rank, states, i, page)
         for i, (page, tokens) in enumerate(zip(MLA_DST, MLA_TOKENS)):
-            ref.mla_view(page)[:, :tokens] = latents[i, :, :tokens]
+            ref.mla_view(page)[:, :tokens] = rank_rows(ref, rank, latents[i, :, :tokens])
         return ref.buffer.clone()
 
 
 def fill_sources(src_pools: list[PagedPool], states: States, latents: torch.Tensor) -> None:
     shard(states, src_pools, SRC_PAGES)
-    for pool in src_pools:  # the latent is replicated on every rank
+    for rank, pool in enumerate(src_pools):  # a latent is replicated, KV heads split
         for i, page in enumerate(MLA_SRC):
             pool.tag(page, PageKind.MLA)
-            pool.mla_view(page).copy_(latents[i])
+            pool.mla_view(page).copy_(rank_rows(pool, rank, latents[i]))
 
 
 @pytest.mark.parametrize("model, src_degree, dst_degree", RESHARDS)
@@ -128,7 +138,7 @@ async def test_every_destination_byte_is_the_reference(pools, model, src_degree,
     dst_model = dst_pools[0].layout.model
     async with serving(src_pools) as urls:
         received = await asyncio.gather(*(
-            pull(p, r, src_pools[0].layout, urls, moves(model), TOKEN)
+            pull(p, r, src_pools[0].layout, urls, moves(src_pools[0].layout.model), TOKEN)
             for r, p in enumerate(dst_pools)))
     for rank, pool in enumerate(dst_pools):
         expected = expected_buffer(dst_model, rank, before[rank], states, latents)
@@ -136,8 +146,8 @@ async def test_every_destination_byte_is_the_reference(pools, model, src_degree,
     state_bytes = (model.kda_heads * model.kda_head_bytes
                    + model.conv_channels * model.conv_row_bytes)
     kda_bytes = len(SRC_PAGES) * model.layers_per_group * state_bytes
-    mla_bytes = sum(MLA_TOKENS) * model.mla_token_bytes * model.layers_per_group
-    assert sum(received) == kda_bytes + dst_degree * mla_bytes   # each head once, MLA per rank
+    mla_bytes = sum(MLA_TOKENS) * dst_model.mla_token_bytes * model.layers_per_group
+    assert sum(received) == kda_bytes + dst_degree * mla_bytes   # each head once, rows per rank
 
 
 def test_the_plan_pulls_each_shared_head_run_once_per_slot():
@@ -166,6 +176,43 @@ def test_between_equal_degrees_a_kda_page_is_one_stream_per_slot():
     plan = plan_fetch(layout, layout, 1, [PageMove(5, 1, PageKind.KDA)])
     whole = layout.geometry.kda_page_bytes
     assert plan == {1: [Stream(5, s, 0, whole, 1, 0) for s in range(layout.layer_slots)]}
+
+
+def test_a_gdn_run_of_value_heads_brings_the_key_heads_it_reads():
+    """GDN-16 (16 value heads over 8 key heads) from TP 1 to rank 1 of TP 2: value heads 8..15
+    and key heads 4..7, so the q and k runs are half as wide as the v run."""
+    src, dst = layout_of(GDN_SIXTEEN_HEADS, 1), layout_of(GDN_SIXTEEN_HEADS, 2)
+    plan = plan_fetch(src, dst, 1, [PageMove(5, 1, PageKind.KDA)])
+    row, hb = GDN_SIXTEEN_HEADS.conv_row_bytes, GDN_SIXTEEN_HEADS.kda_head_bytes
+    k, v = GDN_SIXTEEN_HEADS.kda_head_k_dim, GDN_SIXTEEN_HEADS.kda_head_v_dim
+    src_conv = (2 * 8 * k + 16 * v) * row
+
+    def runs(s: int) -> list[Stream]:
+        return [Stream(5, s, 4 * k * row, 4 * k * row, 1, 0),
+                Stream(5, s, (8 + 4) * k * row, 4 * k * row, 1, 4 * k * row),
+                Stream(5, s, (16 * k + 8 * v) * row, 8 * v * row, 1, 8 * k * row),
+                Stream(5, s, src_conv + 8 * hb, 8 * hb, 1, dst.recurrent_offset)]
+    assert plan == {0: [x for s in range(src.layer_slots) for x in runs(s)]}
+
+
+def test_a_gqa_page_is_one_stream_per_slot_where_both_ranks_hold_the_same_kv_heads():
+    page = PageMove(5, 1, PageKind.MLA, 3 * layout_of(GDN_SIXTEEN_HEADS, 2).model.mla_token_bytes)
+    for src_degree, dst_degree, dst_rank, src_rank in [(2, 2, 1, 1), (2, 4, 2, 1), (4, 2, 1, 3)]:
+        src = layout_of(GDN_SIXTEEN_HEADS, src_degree)
+        dst = layout_of(GDN_SIXTEEN_HEADS, dst_degree)
+        nbytes = 3 * src.model.mla_token_bytes
+        plan = plan_fetch(src, dst, dst_rank, [dataclasses.replace(page, nbytes=nbytes)])
+        assert plan == {src_rank: [Stream(5, s, 0, nbytes, 1, 0) for s in range(src.layer_slots)]}
+
+
+def test_a_gqa_page_split_differently_moves_each_tokens_shared_heads():
+    """TP 1 (KV heads 0 and 1 in each token row) to rank 1 of TP 2 (head 1 only): per token, the
+    second half of the source row to the whole destination row."""
+    src, dst = layout_of(GDN_SIXTEEN_HEADS, 1), layout_of(GDN_SIXTEEN_HEADS, 2)
+    head = GDN_SIXTEEN_HEADS.attn_head_bytes
+    plan = plan_fetch(src, dst, 1, [PageMove(5, 1, PageKind.MLA, 3 * 2 * head)])
+    assert plan == {0: [Stream(5, s, t * 2 * head + head, head, 1, t * head)
+                        for s in range(src.layer_slots) for t in range(3)]}
 
 
 def layout_of(model: ModelSpec, degree: int) -> PageLayout:

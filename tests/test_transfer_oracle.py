@@ -33,6 +33,15 @@ from tinymodel import ChunkRequest, TinyHybrid, outputs_match
 TOKEN = "oracle-token"
 EIGHT_HEADS = ModelSpec(name="tiny-8", kda_heads=8, kda_head_k_dim=8, kda_head_v_dim=8)
 NINETY_SIX_HEADS = ModelSpec(name="tiny-96", kda_heads=96, kda_head_k_dim=4, kda_head_v_dim=4)
+# Gated DeltaNet + GQA: value heads in pairs over one key head, 2 KV heads (split at TP 2,
+# replicated at 4 and 8) or 6 (split unevenly between 2 and 3 ranks)
+GDN_SIXTEEN_HEADS = ModelSpec(name="gdn-16", linear_kind="gdn", attention_kind="gqa",
+                              kda_heads=16, kda_key_heads=8, kda_head_k_dim=8, kda_head_v_dim=8,
+                              mla_latent_dim=0, gqa_kv_heads=2, gqa_head_dim=8)
+GDN_NINETY_SIX_HEADS = ModelSpec(name="gdn-96", linear_kind="gdn", attention_kind="gqa",
+                                 kda_heads=96, kda_key_heads=48, kda_head_k_dim=4,
+                                 kda_head_v_dim=4, mla_latent_dim=0, gqa_kv_heads=6,
+                                 gqa_head_dim=4)
 CACHE = CacheSpec(hash_block_tokens=8, page_tokens=32, page_alignment=64, num_pages=18)
 PROMPT_TOKENS, DECODE_STEPS = 62, 4
 TOKENS = np.random.default_rng(3).integers(0, 2**32, PROMPT_TOKENS + DECODE_STEPS, dtype=np.uint64)
@@ -49,6 +58,11 @@ CASES = [
     pytest.param(EIGHT_HEADS, 8, 1, id="8->1"),
     pytest.param(NINETY_SIX_HEADS, 1, 3, id="96heads-1->3"),
     pytest.param(NINETY_SIX_HEADS, 3, 1, id="96heads-3->1"),
+    pytest.param(GDN_SIXTEEN_HEADS, 1, 2, id="gdn-1->2"),
+    pytest.param(GDN_SIXTEEN_HEADS, 2, 4, id="gdn-2->4"),
+    pytest.param(GDN_SIXTEEN_HEADS, 4, 2, id="gdn-4->2"),
+    pytest.param(GDN_SIXTEEN_HEADS, 8, 1, id="gdn-8->1"),
+    pytest.param(GDN_NINETY_SIX_HEADS, 3, 2, id="gdn-96heads-3->2"),
 ]
 
 NewPools = Callable[[ModelSpec, int], list[PagedPool]]
@@ -99,8 +113,8 @@ def prefill(model: TinyHybrid, pools: list[PagedPool]) -> torch.Tensor:
 
 
 def moves(model: ModelSpec) -> list[PageMove]:
-    """What a hand-off of the hit moves: the MLA pages of [0, HIT) (the last one a token prefix)
-    and the checkpoint, one page per KDA group."""
+    """What a hand-off of the hit moves: the MLA pages of [0, HIT) (the last one a token prefix,
+    sized in the source rank's token rows) and the checkpoint, one page per KDA group."""
     page_tokens = CACHE.page_tokens
     mla = []
     for slot in range(-(-HIT // page_tokens)):
@@ -115,7 +129,7 @@ async def move_checkpoint(src: list[PagedPool], dst: list[PagedPool], model: Mod
     """Every destination rank pulls its share from every source rank at once, as agents do."""
     async with serving(src) as urls:
         received = await asyncio.gather(*(
-            transfer.pull(pool, rank, src[0].layout, urls, moves(model), TOKEN)
+            transfer.pull(pool, rank, src[0].layout, urls, moves(src[0].layout.model), TOKEN)
             for rank, pool in enumerate(dst)))
     return sum(received)
 
@@ -132,10 +146,22 @@ def decode(model: TinyHybrid, pools: list[PagedPool]) -> torch.Tensor:
     return torch.cat([model.forward(pools, [chunk])[0] for chunk in chunks])
 
 
-def mla_prefix(pool: PagedPool, pages: Sequence[int]) -> torch.Tensor:
-    """Every layer's rows of [0, HIT) in `pages`."""
-    rows = torch.cat([pool.mla_view(page) for page in pages], dim=1)
-    return rows[:, :HIT]
+def mla_prefix(pools: Sequence[PagedPool], rank: int, pages: Sequence[int]) -> torch.Tensor:
+    """Every layer's rows of [0, HIT) in `pages` of `pools[rank]`, `[slots, HIT, units, elems]`
+    for its own units (the MLA latent, or its GQA KV heads)."""
+    pool = pools[rank]
+    rows = torch.cat([pool.mla_view(page) for page in pages], dim=1)[:, :HIT]
+    return rows.view(*rows.shape[:2], len(pool.layout.rank_attn_heads(rank)), -1)
+
+
+def full_prefix(pools: Sequence[PagedPool], pages: Sequence[int]) -> torch.Tensor:
+    """The un-sharded rows of [0, HIT), every unit from the first rank holding it."""
+    parts: dict[int, torch.Tensor] = {}
+    for rank, pool in enumerate(pools):
+        for unit, rows in zip(pool.layout.rank_attn_heads(rank),
+                              mla_prefix(pools, rank, pages).unbind(2)):
+            parts.setdefault(unit, rows)
+    return torch.stack([parts[unit] for unit in sorted(parts)], dim=2)
 
 
 @pytest.mark.parametrize("model, src_degree, dst_degree", CASES)
@@ -149,11 +175,14 @@ async def test_decoding_resumed_on_another_tp_degree_matches_recompute(
     received = await move_checkpoint(src, dst, model)
     kda_bytes = model.kda_layers * model.kda_heads * model.kda_head_bytes
     conv_bytes = model.kda_layers * model.conv_channels * model.conv_row_bytes
-    mla_bytes = HIT * model.mla_token_bytes * model.layers_per_group
-    # both parts of each head once, the latent on every rank
+    mla_bytes = HIT * dst[0].layout.model.mla_token_bytes * model.layers_per_group
+    # both parts of each head once, each rank's attention rows (MLA: the latent) on every rank
     assert received == conv_bytes + kda_bytes + dst_degree * mla_bytes
-    for rank, pool in enumerate(dst):  # the model reads rank 0's rows: check the others here
-        assert torch.equal(mla_prefix(pool, DST_MLA), mla_prefix(src[0], SRC_MLA)), f"rank {rank}"
+    truth = full_prefix(src, SRC_MLA)
+    for rank, pool in enumerate(dst):  # the model reads one replica: check every rank here
+        units = pool.layout.rank_attn_heads(rank)
+        assert torch.equal(mla_prefix(dst, rank, DST_MLA), truth[:, :, units.start:units.stop]), (
+            f"rank {rank}")
     assert outputs_match(decode(decode_node, dst), expected[HIT:])
 
 
@@ -184,7 +213,8 @@ def skip_first_head(plan: Plan, part: str) -> Plan:
 
 
 @pytest.mark.parametrize("part", ["recurrent", "conv"])
-@pytest.mark.parametrize("model, src_degree, dst_degree", [CASES[1], CASES[3], CASES[4]])
+@pytest.mark.parametrize("model, src_degree, dst_degree",
+                         [CASES[1], CASES[3], CASES[4], CASES[7], CASES[9]])
 async def test_a_head_stream_left_out_breaks_the_match(
         new_pools: NewPools, monkeypatch: pytest.MonkeyPatch, model: ModelSpec,
         src_degree: int, dst_degree: int, part: str) -> None:

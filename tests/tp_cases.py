@@ -1,7 +1,8 @@
-"""Test helpers for moving KDA states between tensor-parallel degrees: small models whose heads
-split evenly (8 heads) or unevenly (96 heads over 3 and 2 ranks), page ids on both sides, rank pools
-of a degree, and the un-sharded ground truth of both state parts (conv rows and recurrent
-matrices) with its sharding onto the ranks.
+"""Test helpers for moving linear-attention states and full-attention rows between tensor-parallel
+degrees: small models of both families (KDA + MLA, GDN + GQA) whose heads split evenly (8 or 16
+heads) or unevenly (96 heads over 3 and 2 ranks), page ids on both sides, rank pools of a degree,
+and the un-sharded ground truth of both state parts (conv rows and recurrent matrices) and of the
+attention rows, with its sharding onto the ranks.
 
 Page ids are scattered and different on both sides, so a transfer that writes a state at its
 source page id, or in the wrong order, fails the comparison with the ground truth.
@@ -20,6 +21,15 @@ from gpu_pool import PageKind, PagedPool
 CACHE = CacheSpec(hash_block_tokens=4, page_tokens=8, page_alignment=64, num_pages=6)
 EIGHT_HEADS = ModelSpec(kda_heads=8, kda_head_k_dim=4, kda_head_v_dim=8, mla_latent_dim=8)
 NINETY_SIX_HEADS = ModelSpec(kda_heads=96, kda_head_k_dim=2, kda_head_v_dim=4, mla_latent_dim=8)
+# the Gated DeltaNet + GQA family: twice as many value heads as key heads (as Qwen3-Next), KV heads
+# split over 2 ranks and replicated over more (2 heads), or split 6 ways over 2 and 3 ranks
+GDN_SIXTEEN_HEADS = ModelSpec(name="gdn-16", linear_kind="gdn", attention_kind="gqa",
+                              kda_heads=16, kda_key_heads=8, kda_head_k_dim=4, kda_head_v_dim=8,
+                              mla_latent_dim=0, gqa_kv_heads=2, gqa_head_dim=4)
+GDN_NINETY_SIX_HEADS = ModelSpec(name="gdn-96", linear_kind="gdn", attention_kind="gqa",
+                                 kda_heads=96, kda_key_heads=48, kda_head_k_dim=2,
+                                 kda_head_v_dim=4, mla_latent_dim=0, gqa_kv_heads=6,
+                                 gqa_head_dim=2)
 SRC_PAGES = [5, 0, 3]  # where the states live on the source ranks
 DST_PAGES = [1, 4, 2]  # where they must land on the destination ranks
 
@@ -66,3 +76,17 @@ def shard(states: States, pools: list[PagedPool], pages: list[int]) -> None:
         for i, page in enumerate(pages):
             pool.tag(page, PageKind.KDA)
             write_rank(pool, rank, states, i, page)
+
+
+def attention_rows(model: ModelSpec, pages: int, tokens: int) -> torch.Tensor:
+    """Un-sharded full-attention rows `[pages, layer_slots, tokens, units, elems]`: the MLA latent
+    (one unit) or K then V of every GQA KV head; random."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(pages, model.layers_per_group, tokens, model.attn_heads,
+                       model.attn_head_elems, generator=g).to(getattr(torch, model.mla_dtype))
+
+
+def rank_rows(pool: PagedPool, rank: int, rows: torch.Tensor) -> torch.Tensor:
+    """`rank`'s share of `rows [..., units, elems]`, flattened as its page rows."""
+    units = pool.layout.rank_attn_heads(rank)
+    return rows[..., units.start:units.stop, :].flatten(-2)
