@@ -21,11 +21,21 @@ from index.store import PrefixIndex
 ROOT = namespace_root("test-model")
 
 
+FAMILIES = ("kda-mla", "gdn-gqa")
+
+
 def small_config(kda_groups: int = 3, mla_groups: int = 1, num_pages: int = 48,
-                 block: int = 4, page: int = 16) -> Config:
-    """4-token hash blocks in 16-token pages: every boundary case is a few tokens away."""
-    model = ModelSpec(kda_groups=kda_groups, mla_groups=mla_groups, layers_per_group=1,
-                      kda_heads=1, kda_head_k_dim=2, kda_head_v_dim=2, mla_latent_dim=1)
+                 block: int = 4, page: int = 16, family: str = "kda-mla") -> Config:
+    """4-token hash blocks in 16-token pages: every boundary case is a few tokens away. The
+    `gdn-gqa` family has other copy sizes (8-byte token rows: K and V of one KV head)."""
+    if family == "kda-mla":
+        model = ModelSpec(kda_groups=kda_groups, mla_groups=mla_groups, layers_per_group=1,
+                          kda_heads=1, kda_head_k_dim=2, kda_head_v_dim=2, mla_latent_dim=1)
+    else:
+        model = ModelSpec(linear_kind="gdn", attention_kind="gqa", kda_groups=kda_groups,
+                          mla_groups=mla_groups, layers_per_group=1, kda_heads=2,
+                          kda_key_heads=1, kda_head_k_dim=2, kda_head_v_dim=2, mla_latent_dim=0,
+                          gqa_kv_heads=1, gqa_head_dim=1)
     return Config(model, CacheSpec(hash_block_tokens=block, page_tokens=page, num_pages=num_pages,
                                    page_alignment=16, max_batch=8))
 

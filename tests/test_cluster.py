@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0"]
 DEMO = [sys.executable, "-m", "cachetier.cli", "demo"]
 SESSIONS = 2
@@ -44,10 +46,12 @@ def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes],
         time.sleep(0.05)
 
 
-def test_demo_hits_from_the_second_turn_verifies_every_output_and_leaves_nothing_running(tmp_path):
-    done = subprocess.run([*DEMO, "--sessions", str(SESSIONS), "--turns", str(TURNS), "--json",
-                           "--run-dir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, check=False)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])  # KDA + MLA, Gated DeltaNet + GQA
+def test_demo_hits_from_the_second_turn_verifies_every_output_and_leaves_nothing_running(tmp_path,
+                                                                                         preset):
+    done = subprocess.run([*DEMO, "--preset", preset, "--sessions", str(SESSIONS), "--turns",
+                           str(TURNS), "--json", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert {"requests", "hit_requests", "tokens", "hit_tokens", "verified", "mismatches",

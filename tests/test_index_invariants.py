@@ -1,7 +1,8 @@
 """One test per invariant of DESIGN.md, each written so that breaking the invariant fails it.
 
 All against a real redis-server; the byte model in `Driver` checks that what a hit reads holds the
-declared prefix, so a hit served from evicted, reallocated or unconfirmed pages is caught.
+declared prefix, so a hit served from evicted, reallocated or unconfirmed pages is caught. Every
+test runs for both model families (their pools differ in the sizes the copies move).
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from index.hashing import chain_hashes, split_hashes
 from index.records import StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
 from index.store import PrefixIndex
-from tests.index_harness import (ROOT, Driver, commit_item, make, new_request, only, serve,
-                                 small_config)
+from tests.index_harness import (FAMILIES, ROOT, Driver, commit_item, make, new_request, only,
+                                 serve, small_config)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 def doc(n: int, length: int = 64) -> list[int]:
@@ -26,9 +32,9 @@ async def state_of(d: Driver):
     return await read_pool(d.index.redis, d.index.keys)
 
 
-async def test_pin_before_allocate_never_evicts_what_the_step_hit(redis):
+async def test_pin_before_allocate_never_evicts_what_the_step_hit(redis, family):
     """The hit (oldest, first in eviction order) survives the evictions its own allocation needs."""
-    config = small_config(num_pages=16)
+    config = small_config(num_pages=16, family=family)
     d = await make(redis, config)
     await serve(d, "old", doc(1, 20), chunk=20)             # 2 MLA pages + checkpoint at 20
     await serve(d, "newer", doc(2, 20), chunk=20)           # more recent: evicted after "old"
@@ -50,8 +56,8 @@ async def test_pin_before_allocate_never_evicts_what_the_step_hit(redis):
 
 
 @pytest.mark.parametrize("kda_groups", [3, 0], ids=["hybrid", "full-attention"])
-async def test_pending_pages_are_not_matched_until_confirmed(redis, kda_groups):
-    config = small_config(kda_groups=kda_groups)
+async def test_pending_pages_are_not_matched_until_confirmed(redis, family, kda_groups):
+    config = small_config(kda_groups=kda_groups, family=family)
     d = await make(redis, config)
     prompt = doc(3, 30)
     plan = only(await d.plan([new_request("w", prompt, 30, 4)], {"w": prompt}))
@@ -66,8 +72,8 @@ async def test_pending_pages_are_not_matched_until_confirmed(redis, kda_groups):
     assert ready.hit_tokens == 28
 
 
-async def test_checkpoint_is_reachable_in_all_groups_or_none(redis):
-    config = small_config(kda_groups=3)
+async def test_checkpoint_is_reachable_in_all_groups_or_none(redis, family):
+    config = small_config(kda_groups=3, family=family)
     d = await make(redis, config)
     await serve(d, "a", doc(4, 24), chunk=24)
     state = await state_of(d)
@@ -84,9 +90,9 @@ async def test_checkpoint_is_reachable_in_all_groups_or_none(redis):
     assert only(await d.plan([new_request("b", probe, 1, 4)], {"b": probe})).hit_tokens == 0
 
 
-async def test_evicting_an_mla_page_frees_the_checkpoints_it_anchors(redis):
+async def test_evicting_an_mla_page_frees_the_checkpoints_it_anchors(redis, family):
     """With weights that evict MLA pages first, the checkpoint loses its prefix and must go too."""
-    config = small_config(kda_groups=2)
+    config = small_config(kda_groups=2, family=family)
     weights = EvictionWeights.tiers(recency=1.0, mla=0.0, intermediate=2.0**41, durable=2.0**42)
     index = PrefixIndex(redis, "w", config, weights)
     await index.create()
@@ -103,8 +109,8 @@ async def test_evicting_an_mla_page_frees_the_checkpoints_it_anchors(redis):
     sanity_check(after, config.cache.num_pages, config.cache.blocks_per_page)
 
 
-async def test_epoch_invalidation_voids_matches_and_pins(redis):
-    config = small_config()
+async def test_epoch_invalidation_voids_matches_and_pins(redis, family):
+    config = small_config(family=family)
     d = await make(redis, config)
     await serve(d, "a", doc(6, 30), chunk=30)
     in_flight = only(await d.plan([new_request("b", doc(7, 30), 10, 4)], {"b": doc(7, 30)}))
@@ -124,8 +130,8 @@ async def test_epoch_invalidation_voids_matches_and_pins(redis):
     assert await other_client.invalidate(seen_epoch=new_epoch - 1) == new_epoch  # no double bump
 
 
-async def test_refused_step_changes_nothing_and_says_why(redis):
-    config = small_config(num_pages=12)
+async def test_refused_step_changes_nothing_and_says_why(redis, family):
+    config = small_config(num_pages=12, family=family)
     d = await make(redis, config)
     await serve(d, "a", doc(8, 20), chunk=20)
     before = await state_of(d)
@@ -137,10 +143,10 @@ async def test_refused_step_changes_nothing_and_says_why(redis):
     assert await state_of(d) == before
 
 
-async def test_pending_checkpoint_on_a_ready_prefix_is_not_matched(redis):
+async def test_pending_checkpoint_on_a_ready_prefix_is_not_matched(redis, family):
     """The prefix is cached and ready (written without checkpoints); a second request persists a
     checkpoint there: until that write is confirmed, nothing may restore from it."""
-    config = small_config()
+    config = small_config(family=family)
     d = await make(redis, config)
     prompt = doc(11, 30)
     first = only(await d.plan([new_request("a", prompt, 30, 4, checkpoint=False)], {"a": prompt}))

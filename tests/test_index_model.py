@@ -287,6 +287,7 @@ class IndexMachine(RuleBasedStateMachine):
     pytest.param(small_config(num_pages=64), id="kda3-mla1"),
     pytest.param(small_config(kda_groups=2, mla_groups=2, num_pages=56), id="kda2-mla2"),
     pytest.param(small_config(kda_groups=0, num_pages=24), id="full-attention"),
+    pytest.param(small_config(num_pages=64, family="gdn-gqa"), id="gdn3-gqa1"),
 ])
 def test_scripts_match_reference(redis_url, config) -> None:
     machine = type("Machine", (IndexMachine,), {"config": config, "redis_url": redis_url})
