@@ -2,9 +2,10 @@
 
 `ModelSpec` says what the model's caches look like (groups, heads, dims, dtypes, tensor parallelism);
 `CacheSpec` says how tokens are grouped for hashing and for allocation. `PageGeometry` is derived
-from both: the one page size in bytes that KDA state pages and MLA KV pages share, and how much of
-each page type is padding. Invalid combinations fail at construction with a `ConfigError` that names
-the offending field, so a bad TOML file or CLI flag never reaches Redis or a GPU.
+from both: the one page size in bytes that linear-attention state pages (KDA or GDN) and
+full-attention KV pages (MLA or GQA) share, and how much of each page type is padding. Invalid
+combinations fail at construction with a `ConfigError` that names the offending field, so a bad
+TOML file or CLI flag never reaches Redis or a GPU.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ from cachetier.config import DTYPE_BYTES, CacheSpec, ModelSpec, PageGeometry, pa
 
 
 class PageKind(enum.IntEnum):
-    """What a page currently holds; stored as one byte per page in the pool's tag array."""
+    """What a page currently holds; stored as one byte per page in the pool's tag array. `MLA`
+    tags any full-attention page (MLA or GQA), `KDA` any linear-attention state page (KDA or
+    GDN): the names are the wire's ("mla", "kda")."""
 
     UNTAGGED = 0
     MLA = 1
