@@ -77,14 +77,23 @@ class PrefixIndex:
 
     async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         self._check_batch(requests)
-        blobs = [bytes(r.hashes) for r in requests if r.is_new]
-        reply = await self._call("plan_step", [_pack(self._encode_batch(requests)), *blobs])
+        reply = await self._call("plan_step", self._step_arguments(requests))
         if not reply["ok"]:
             return StepRefusal(reply["reason"].decode(), reply["need"], reply["available"])
         groups = self.config.model.mla_groups
         return StepPlan(ticket=reply["ticket"], epoch=reply["epoch"],
                         requests=[_request_plan(r, groups) for r in reply["requests"]],
                         evicted=reply["evicted"], removed=_removals(reply["removed"]))
+
+    def step_arguments(self, requests: Sequence[StepRequest]) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV `plan_step(requests)` would send now, checked as it checks them: a
+        benchmark sends them to a no-op script to measure what Redis costs before any Lua runs."""
+        self._check_batch(requests)
+        return self.keys, [self.epoch, *self._step_arguments(requests)]
+
+    def _step_arguments(self, requests: Sequence[StepRequest]) -> list[Any]:
+        blobs = [bytes(r.hashes) for r in requests if r.is_new]
+        return [_pack(self._encode_batch(requests)), *blobs]
 
     async def confirm(self, ticket: int) -> int:
         """Returns how many of the ticket's requests were still active."""

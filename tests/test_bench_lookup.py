@@ -10,8 +10,10 @@ from cachetier.cli import main
 from tests.redis_harness import all_keys
 
 CASE_KEYS = {"tokens", "batch", "p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms",
-             "round_trips_per_step", "hit_tokens"}
-POSITIVE = ("p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms")
+             "round_trips_per_step", "hit_tokens", "server_us_per_request", "noop_p50_us",
+             "noop_ratio_p50", "noop_server_us_per_request"}
+POSITIVE = ("p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms", "server_us_per_request",
+            "noop_p50_us", "noop_ratio_p50")
 
 
 def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -36,6 +38,15 @@ def test_quick_run_hits_every_case_in_one_round_trip(capsys: pytest.CaptureFixtu
         assert all(case[key] > 0 for key in POSITIVE), case
         assert case["p99_us"] >= case["p50_us"]
         assert case["ratio_p50"] == pytest.approx(case["p50_us"] / case["rtt_p50_us"], rel=1e-2)
+        # The server's share of a step is part of its latency, and the step's alone (not the bare
+        # round trip's); the no-op with the same arguments is a floor below the real script.
+        assert case["server_us_per_request"] * case["batch"] < case["p50_us"]
+        assert case["server_us_per_request"] * case["batch"] <= case["script_p50_us"]
+        assert case["noop_p50_us"] < case["p50_us"]
+        assert case["noop_ratio_p50"] < case["ratio_p50"]
+        assert case["noop_ratio_p50"] == pytest.approx(case["noop_p50_us"] / case["rtt_p50_us"],
+                                                       rel=1e-2)
+        assert 0 <= case["noop_server_us_per_request"] < case["server_us_per_request"]
     assert "bench lookup: 16384 tokens x 4" in err       # progress goes to stderr, not stdout
     assert all_keys(redis_url) == before                  # a shared server is left as found
 

@@ -7,6 +7,13 @@ boundary, and computes the last `STEP_TOKENS` tokens. Its client-side latency (h
 the confirm and release that undo it run outside the timed region) is reported next to a bare
 EVALSHA of `return 1` timed just before it on the same connection, so the ratio says how much a
 lookup costs beyond the round trip that no design can avoid.
+
+Two floors come from the same run. A no-op script sent the step's very KEYS and ARGV (timed just
+before, in its own window of command stats) costs what Redis and the client spend on the
+arguments before any Lua runs; `noop_ratio_p50` is the lowest `ratio_p50` a Lua design could
+reach. The server's own time in the script (`INFO commandstats`: the bare round trip goes as
+EVALSHA_RO, so EVALSHA's microseconds are the step's alone) per request says how close the script
+is to that floor, apart from the client's share.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ BATCHES = (1, 64)
 QUICK_TOKENS = (4096, 16384)
 QUICK_BATCHES = (1, 4)
 SCRIPT_COMMANDS = ("cmdstat_evalsha", "cmdstat_evalsha_ro", "cmdstat_eval", "cmdstat_eval_ro")
+STEP_COMMAND = "cmdstat_evalsha"  # plan_step's and the no-op's; the bare round trip is EVALSHA_RO
+BARE_SCRIPT = "return 1"
 HASH_REPEATS = 5
 SETUP_BATCH = 8
 
@@ -121,13 +130,26 @@ class SendCounter:
         pool.connection_class = CountingConnection
 
 
-async def script_stats(client: Redis) -> tuple[int, int]:
-    """Scripts the server has run so far and the microseconds it spent in them: the server's own
-    view of a step's EVAL-type round trips (the commands a script runs inside are not round trips
-    and are not counted here) and of the share of its latency spent running the script."""
+ScriptStats = dict[str, tuple[int, int]]
+
+
+async def script_stats(client: Redis) -> ScriptStats:
+    """Per EVAL-type command, the scripts the server has run so far and the microseconds it spent
+    in them: the server's own view of a step's round trips (the commands a script runs inside are
+    not round trips and are not counted here) and of the share of its latency spent in Lua."""
     stats = await client.info("commandstats")
-    found = [stats[name] for name in SCRIPT_COMMANDS if name in stats]
-    return sum(int(s["calls"]) for s in found), sum(int(s["usec"]) for s in found)
+    return {name: (int(stats[name]["calls"]), int(stats[name]["usec"]))
+            for name in SCRIPT_COMMANDS if name in stats}
+
+
+def stats_delta(before: ScriptStats, after: ScriptStats,
+                names: Sequence[str] = SCRIPT_COMMANDS) -> tuple[int, int]:
+    """Scripts run and microseconds spent between two snapshots, over the commands `names`."""
+    calls = usec = 0
+    for name in names:
+        (c0, u0), (c1, u1) = before.get(name, (0, 0)), after.get(name, (0, 0))
+        calls, usec = calls + c1 - c0, usec + u1 - u0
+    return calls, usec
 
 
 def conversation_tokens(seed: int, tokens: int) -> np.ndarray:
@@ -196,6 +218,9 @@ class Samples:
     plan_ns: list[int] = dataclasses.field(default_factory=list)
     rtt_ns: list[int] = dataclasses.field(default_factory=list)
     script_us: list[int] = dataclasses.field(default_factory=list)
+    server_us: list[int] = dataclasses.field(default_factory=list)
+    noop_ns: list[int] = dataclasses.field(default_factory=list)
+    noop_server_us: list[int] = dataclasses.field(default_factory=list)
     sends: int = 0
     scripts: int = 0
 
@@ -206,44 +231,64 @@ async def timed(call: Awaitable[Any]) -> tuple[Any, int]:
     return result, time.perf_counter_ns() - start
 
 
-async def one_step(index: PrefixIndex, rtt: AsyncScript, counter: SendCounter,
-                   requests: list[StepRequest], hit: int, samples: Samples | None) -> None:
-    """A bare round trip immediately followed by the step, both between two command-stat
-    snapshots, then the step's undoing; `samples` None is a warm-up.
+@dataclass(frozen=True)
+class Probes:
+    """The calls timed around the step: the bare round trip (EVALSHA_RO of `BARE_SCRIPT`, no
+    arguments) and the no-op floor (EVALSHA of it with the step's own KEYS and ARGV)."""
 
-    Back to back, the two timed calls meet the same server and client state (a big step's
-    aftermath slows the next few round trips); the snapshots and the undoing are not timed."""
+    bare_sha: str
+    noop: AsyncScript
+    keys: list[str]
+    args: list[Any]
+
+
+async def one_step(index: PrefixIndex, probes: Probes, counter: SendCounter,
+                   requests: list[StepRequest], hit: int, samples: Samples | None) -> None:
+    """The no-op floor between two command-stat snapshots, then a bare round trip immediately
+    followed by the step before a third, then the step's undoing; `samples` None is a warm-up.
+
+    Back to back, the round trip and the step meet the same server and client state (a big
+    step's aftermath slows the next few round trips), and the no-op meets the round trip's (it
+    follows a snapshot too); the snapshots and the undoing are not timed."""
     client = index.redis
-    calls_before, usec_before = await script_stats(client)
-    _, rtt_ns = await timed(rtt())
+    before = await script_stats(client)
+    _, noop_ns = await timed(probes.noop(keys=probes.keys, args=probes.args))
+    between = await script_stats(client)
+    _, rtt_ns = await timed(client.evalsha_ro(probes.bare_sha, 0))
     sends_before = counter.sends
     result, plan_ns = await timed(index.plan_step(requests))
     sends = counter.sends - sends_before
-    calls, usec = await script_stats(client)
+    after = await script_stats(client)
     plan = expect_plan(result, hit, "next turn")
     await index.confirm(plan.ticket)
     await index.release([r.rid for r in requests])
     if samples is not None:
+        calls, usec = stats_delta(between, after)
         samples.plan_ns.append(plan_ns)
         samples.rtt_ns.append(rtt_ns)
-        samples.script_us.append(usec - usec_before)
+        samples.script_us.append(usec)
+        samples.server_us.append(stats_delta(between, after, [STEP_COMMAND])[1])
+        samples.noop_ns.append(noop_ns)
+        samples.noop_server_us.append(stats_delta(before, between, [STEP_COMMAND])[1])
         samples.sends += sends
-        samples.scripts += calls - calls_before - 1  # the bare round trip's script
+        samples.scripts += calls - 1  # the bare round trip's script
 
 
 async def run_steps(index: PrefixIndex, counter: SendCounter, blobs: Sequence[bytes],
                     case: Case) -> Samples:
     """Warm-up, then the timed steps; collection is paused meanwhile and run between steps, so a
     garbage-collection pause never lands inside a timed call."""
-    rtt = index.redis.register_script("return 1")
     hit = case.tokens - STEP_TOKENS
     requests = [StepRequest(f"c{n}.turn2", STEP_TOKENS, case.tokens, blob)
                 for n, blob in enumerate(blobs)]
+    probes = Probes(await index.redis.script_load(BARE_SCRIPT),
+                    index.redis.register_script(BARE_SCRIPT), *index.step_arguments(requests))
     samples = Samples()
     gc.disable()
     try:
         for rep in range(case.warmup + case.reps):
-            await one_step(index, rtt, counter, requests, hit, samples if rep >= case.warmup else None)
+            await one_step(index, probes, counter, requests, hit,
+                           samples if rep >= case.warmup else None)
             gc.collect(0)
     finally:
         gc.enable()
@@ -253,12 +298,17 @@ async def run_steps(index: PrefixIndex, counter: SendCounter, blobs: Sequence[by
 def summarize(case: Case, samples: Samples, hashing_ms: float) -> dict[str, Any]:
     p50, p99 = np.percentile(samples.plan_ns, [50, 99]) / 1e3
     rtt_p50 = float(np.median(samples.rtt_ns)) / 1e3
+    noop_p50 = float(np.median(samples.noop_ns)) / 1e3
     return {"tokens": case.tokens, "batch": case.batch, "p50_us": round(float(p50), 1),
             "p99_us": round(float(p99), 1), "rtt_p50_us": round(rtt_p50, 1),
             "ratio_p50": round(float(p50) / rtt_p50, 3), "hash_ms": round(hashing_ms, 3),
             "script_p50_us": round(float(np.median(samples.script_us)), 1),
             "round_trips_per_step": samples.sends / case.reps,
             "scripts_per_step": samples.scripts / case.reps,
+            "server_us_per_request": round(float(np.median(samples.server_us)) / case.batch, 2),
+            "noop_p50_us": round(noop_p50, 1), "noop_ratio_p50": round(noop_p50 / rtt_p50, 3),
+            "noop_server_us_per_request":
+                round(float(np.median(samples.noop_server_us)) / case.batch, 2),
             "hit_tokens": case.tokens - STEP_TOKENS, "steps": case.reps}
 
 
@@ -283,7 +333,8 @@ async def measure(client: Redis, counter: SendCounter, config: Config, case: Cas
     result = summarize(case, samples, hashing_ms)
     progress(f"{case.tokens} tokens x {case.batch}: p50 {result['p50_us']} us, p99 "
              f"{result['p99_us']} us, round trip {result['rtt_p50_us']} us, "
-             f"ratio {result['ratio_p50']}")
+             f"ratio {result['ratio_p50']} (no-op floor {result['noop_ratio_p50']}), server "
+             f"{result['server_us_per_request']} us per request")
     return result
 
 
