@@ -124,10 +124,13 @@ def _announce_listening(url: str) -> None:
 def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from gpu_pool.agent import AgentSettings
     from cachetier.run.nodes import run_agent
+    if args.torch_threads < 1:
+        raise ConfigError("--torch-threads", "must be >= 1")
     settings = AgentSettings(
         services=tuple(args.service), pool=args.pool, token=_token(args), rank=args.rank,
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
-        max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen)
+        max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen,
+        torch_threads=args.torch_threads)
     return _run_until_signal(run_agent(settings, args.mqtt), args.log_level)
 
 
@@ -221,6 +224,9 @@ def _add_agent_parser(commands: Any) -> None:
     agent.add_argument("--debug", action="store_true", help="check page type tags on every view")
     agent.add_argument("--data-listen", default="tcp://127.0.0.1:0", metavar="URL",
                        help="where peer agents pull this rank's pages (default: any loopback port)")
+    agent.add_argument("--torch-threads", type=int, default=1, metavar="N",
+                       help="torch CPU threads in this agent (default: 1, so agents sharing cores "
+                            "do not oversubscribe them)")
     _add_node_arguments(agent)
     agent.set_defaults(handler=_agent)
 

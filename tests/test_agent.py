@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from cachetier.cli import main
 from cachetier.client import CacheTierClient
 from cachetier.config import CacheSpec, Config
 from cachetier.errors import ErrorCode, RemoteError
@@ -186,3 +187,21 @@ async def test_a_pool_of_another_geometry_is_refused(service, redis_url):
         with pytest.raises(RemoteError) as err:
             await asyncio.wait_for(Agent(settings).run(), 10)
         assert err.value.code == ErrorCode.CONFLICT
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+async def test_an_agent_runs_torch_on_the_threads_it_is_given(service, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)                                 # neither setting under test
+    try:
+        overrides = {} if threads == 1 else {"torch_threads": threads}   # 1 is the default
+        async with running_agent(service.url, **overrides):
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_torch_thread_count_below_one_is_refused(capsys):
+    assert main(["agent", "--service", "tcp://127.0.0.1:1", "--pool", "p", "--token", TOKEN,
+                 "--torch-threads", "0"]) == 2
+    assert "cachetier: --torch-threads:" in capsys.readouterr().err
