@@ -172,12 +172,49 @@ local function get_packed(key, field)
   return cmsgpack.unpack(raw)
 end
 
-local function get_rec(id) return get_packed(K_PAGES, id) end
 local function get_ep(h) return get_packed(K_EP, h) end
 local function get_req(rid) return get_packed(K_REQ, rid) end
 
+-- Lead records are decoded at most once per call and encoded and written once, by `reply`
+-- (flush_recs): a step touches the same lead several times (pin, reclass, its page set), and a
+-- decode or an encode costs about as much as the HGET or HSET around it. Every read and write of
+-- `pages` goes through get_rec, put_rec and free_set, so the cache is never stale; a script whose
+-- writes must land returns through `reply`.
+local RECS, DIRTY, DIRTY_IDS = {}, {}, {}  -- id -> record (false: none); ids to write, in order
+local FLUSH_PAIRS = 1000                   -- field-value pairs per HSET, well under Lua's stack
+
+local function get_rec(id)
+  id = tonumber(id)
+  local rec = RECS[id]
+  if rec == nil then
+    local raw = redis.call("HGET", K_PAGES, id)
+    rec = raw and cmsgpack.unpack(raw) or false
+    RECS[id] = rec
+  end
+  return rec or nil
+end
+
 local function put_rec(id, rec)
-  redis.call("HSET", K_PAGES, id, cmsgpack.pack(rec))
+  id = tonumber(id)
+  RECS[id] = rec
+  if not DIRTY[id] then
+    DIRTY[id] = true
+    DIRTY_IDS[#DIRTY_IDS + 1] = id
+  end
+end
+
+local function flush_recs()
+  local args = {}
+  for _, id in ipairs(DIRTY_IDS) do
+    if DIRTY[id] and RECS[id] then
+      args[#args + 1], args[#args + 2] = id, cmsgpack.pack(RECS[id])
+    end
+    DIRTY[id] = nil
+  end
+  DIRTY_IDS = {}
+  for i = 1, #args, 2 * FLUSH_PAIRS do
+    redis.call("HSET", K_PAGES, unpack(args, i, math.min(#args, i + 2 * FLUSH_PAIRS - 1)))
+  end
 end
 
 local function get_rf(lead)
@@ -281,6 +318,7 @@ end
 
 local function free_set(m, rec)
   local lead = rec.pages[1]
+  RECS[lead], DIRTY[lead] = false, nil
   redis.call("HDEL", K_PAGES, lead)
   redis.call("HDEL", K_RF, lead)
   redis.call("HDEL", K_PATH, lead)
@@ -379,5 +417,6 @@ local function pending_checkpoint(item)
 end
 
 local function reply(result)
+  flush_recs()
   return cmsgpack.pack(result)
 end
