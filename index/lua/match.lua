@@ -1,17 +1,29 @@
 -- match.lua - the two-stage lookup of DESIGN.md, read-only; the loader prepends it (after lib.lua)
 -- to the scripts that look a prompt up: plan_step, probe and pin_prefix.
 
+-- One lookup's endpoints, each read once (`seen`: hash -> endpoint, or false when not
+-- matchable): stage 2 re-checks the boundary stage 1 found, and the caller wants the hit's
+-- endpoint. It lives for one match_prefix call, before the caller writes anything.
+local function matchable_in(seen, h)
+  local e = seen[h]
+  if e == nil then
+    e = matchable(h) or false
+    seen[h] = e
+  end
+  return e or nil
+end
+
 -- Stage 1: whole pages by their page-end hash (prefix-closed, so a binary search), then the
 -- endpoints inside the first missing page. Returns the deepest matchable block count.
-local function match_mla(m, blob, usable)
+local function match_mla(m, blob, usable, seen)
   local PB, HL = m.blocks_per_page, m.hash_len
   local lo, hi = 0, math.floor(usable / PB)
   while lo < hi do
     local mid = math.floor((lo + hi + 1) / 2)
-    if matchable(block_hash(blob, HL, mid * PB)) then lo = mid else hi = mid - 1 end
+    if matchable_in(seen, block_hash(blob, HL, mid * PB)) then lo = mid else hi = mid - 1 end
   end
   for f = math.min(PB - 1, usable - lo * PB), 1, -1 do
-    if matchable(block_hash(blob, HL, lo * PB + f)) then return lo * PB + f end
+    if matchable_in(seen, block_hash(blob, HL, lo * PB + f)) then return lo * PB + f end
   end
   return lo * PB
 end
@@ -19,7 +31,7 @@ end
 -- Stage 2: the deepest boundary <= depth with a ready checkpoint in every KDA group (one record
 -- holds them all), probing one page's worth of boundaries per HMGET, deepest page first.
 -- Returns the boundary in blocks and the checkpoint's lead page (-1 without KDA groups).
-local function match_kda(m, blob, depth)
+local function match_kda(m, blob, depth, seen)
   if m.kda_groups == 0 then return depth, -1 end
   local PB, HL = m.blocks_per_page, m.hash_len
   local slot = math.floor((depth - 1) / PB)
@@ -31,7 +43,9 @@ local function match_kda(m, blob, depth)
     for j, lead in ipairs(leads) do
       if lead then
         local rec = get_rec(tonumber(lead))
-        if rec.st == "ready" and matchable(fields[j]) then return last - j + 1, tonumber(lead) end
+        if rec.st == "ready" and matchable_in(seen, fields[j]) then
+          return last - j + 1, tonumber(lead)
+        end
       end
     end
     slot = slot - 1
@@ -49,11 +63,14 @@ local function check_prompt(m, tokens, blob)
 end
 
 -- The longest usable prefix of a prompt: MLA depth and hit (both in blocks; the last token is
--- always left to compute) and the checkpoint lead of the hit (-1 if none).
+-- always left to compute), the checkpoint lead of the hit (-1 if none) and the hit's endpoint
+-- (nil without a hit).
 local function match_prefix(m, tokens, blob)
   local usable = math.min(#blob / m.hash_len, math.floor((tokens - 1) / m.block_tokens))
-  local depth = match_mla(m, blob, usable)
-  if depth == 0 then return 0, 0, -1 end
-  local hit, ck = match_kda(m, blob, depth)
-  return depth, hit, ck
+  local seen = {}
+  local depth = match_mla(m, blob, usable, seen)
+  if depth == 0 then return 0, 0, -1, nil end
+  local hit, ck = match_kda(m, blob, depth, seen)
+  if hit == 0 then return depth, 0, -1, nil end
+  return depth, hit, ck, seen[block_hash(blob, m.hash_len, hit)]
 end

@@ -19,10 +19,9 @@ local rid, tokens, blob = ARGV[2], tonumber(ARGV[3]), ARGV[4] or ""
 if rid == nil or #rid == 0 then fail("BADINPUT", "the reader id must be a non-empty string") end
 check_prompt(m, tokens, blob)
 if get_req(rid) then fail("BADINPUT", "request " .. rid .. " already exists") end
-local _, hit, ck = match_prefix(m, tokens, blob)
+local _, hit, ck, e = match_prefix(m, tokens, blob)
 if hit == 0 then return reply({epoch = m.epoch, hit = 0, mla = "", ckpt = {}}) end
 
-local e = get_ep(block_hash(blob, m.hash_len, hit))
 local anchor = get_rec(e[1])
 local mla = (redis.call("HGET", K_PATH, e[1]) or "") .. pack_ids(anchor.pages)
 m.tick = m.tick + 1

@@ -87,10 +87,10 @@ for n, item in ipairs(batch) do
   local r, blob = check_request(item, seen)
   local p = {item = item, r = r, blob = blob, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
   if r == nil then
-    local depth
-    depth, p.hit, p.ckpt = match_prefix(m, item.tokens, blob)
+    local depth, e
+    depth, p.hit, p.ckpt, e = match_prefix(m, item.tokens, blob)
     p.match = depth * B
-    if p.hit > 0 then hit_pages(p, get_ep(block_hash(blob, HL, p.hit))) end
+    if p.hit > 0 then hit_pages(p, e) end
     -- A hit at the deepest boundary a hit can reach restores the checkpoint the prompt keeps
     -- there (its turn end, or an aligned prompt's resend point): it is kept (phase B).
     local deepest_hit = math.floor((item.tokens - 1) / B)
