@@ -96,8 +96,11 @@ for n, item in ipairs(batch) do
     local deepest_hit = math.floor((item.tokens - 1) / B)
     if p.ckpt >= 0 and p.hit == deepest_hit then p.turn_end = item.turn_end end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
-    if p.anchor >= 0 and redis.call("ZSCORE", K_LRU, p.anchor) then pinned_in_lru[p.anchor] = m.mla_groups end
-    if p.ckpt >= 0 and redis.call("ZSCORE", K_LRU, p.ckpt) then pinned_in_lru[p.ckpt] = m.kda_groups end
+    -- In `lru` exactly when evictable (save_lead keeps it so); phase B reads both records anyway.
+    if p.anchor >= 0 and evictable(get_rec(p.anchor)) then
+      pinned_in_lru[p.anchor] = m.mla_groups
+    end
+    if p.ckpt >= 0 and evictable(get_rec(p.ckpt)) then pinned_in_lru[p.ckpt] = m.kda_groups end
     need = need + m.kda_groups
   else
     p.start, p.tokens, p.slots_have, p.match = r.pos, r.tokens, r.shared + #r.own, r.mt
