@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import json
@@ -113,6 +114,10 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         redis_url=args.redis, token=_token(args), config=config_from_args(args), listen=args.listen,
         copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
         redis_connections=args.redis_connections)
+    if args.batch_tick is not None:
+        if args.batch_tick < 0:
+            raise ConfigError("--batch-tick", "must be >= 0")
+        settings = dataclasses.replace(settings, batch_tick_s=args.batch_tick)
     return _run_until_signal(run_service(settings, _announce_listening, args.mqtt), args.log_level)
 
 
@@ -206,6 +211,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--copy-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="how long a step waits for the agents' copy acks")
     serve.add_argument("--redis-connections", type=int, default=64)
+    serve.add_argument("--batch-tick", type=float, metavar="SECONDS",
+                       help="how long a pool's plans gather into one step while one of its "
+                       "steps is in flight (0: every plan on its own; default 0.001)")
     add_config_arguments(serve)
     _add_node_arguments(serve)
     serve.set_defaults(handler=_serve)

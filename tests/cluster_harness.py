@@ -16,6 +16,8 @@ from cachetier.config import PRESETS, Config
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.server import CacheTierService, ServiceSettings
 from gpu_pool.agent import Agent, AgentSettings
+from index.snapshot import read_pool, sanity_check
+from index.store import pool_keys
 
 TOKEN = "test-token"
 TINY = PRESETS["tiny"]
@@ -56,3 +58,11 @@ async def eventually(probe: Callable[[], Awaitable[T]], done: Callable[[T], bool
         while not done(value := await probe()):
             await asyncio.sleep(0.01)
     return value
+
+
+async def assert_no_pins(redis: Any, pool: str = "p") -> None:
+    """The tiny pool holds no request, no ticket and no pin, and its invariants hold."""
+    state = await read_pool(redis, pool_keys(pool))
+    sanity_check(state, TINY.cache.num_pages, TINY.cache.blocks_per_page)
+    assert state.req == {} and state.tix == {}
+    assert all(rec.get("ref", 0) == 0 for rec in state.pages.values())

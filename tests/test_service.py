@@ -43,10 +43,10 @@ from gpu_pool.agent import AgentSettings
 from index.hashing import chain_hashes, split_hashes
 from index.lifecycle import RequestLifecycle
 from index.records import RequestPlan, StepPlan
-from index.snapshot import read_pool, sanity_check
+from index.snapshot import read_pool
 from index.store import pool_keys
-from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, eventually, running_agent,
-                                   running_service)
+from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, eventually,
+                                   running_agent, running_service)
 from tests.index_harness import ROOT, commit_item, new_request, only
 from tests.redis_harness import dump
 
@@ -123,13 +123,6 @@ async def serve_prompt(tier: CacheTierClient, rid: str, tokens: list[int],
             worker.forward(step, tokens)
         await steps.finish([commit_item(step, step.stop, True, True, BLOCK)])
     return step
-
-
-async def assert_no_pins(redis, pool: str = "p") -> None:
-    state = await read_pool(redis, pool_keys(pool))
-    sanity_check(state, TINY.cache.num_pages, TINY.cache.blocks_per_page)
-    assert state.req == {} and state.tix == {}
-    assert all(rec.get("ref", 0) == 0 for rec in state.pages.values())
 
 
 @pytest.fixture

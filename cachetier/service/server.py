@@ -23,7 +23,7 @@ import logging
 import os
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -33,6 +33,7 @@ from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
                               ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
                               error_info)
+from cachetier.service.batching import PlanCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.observer import ServiceObserver
@@ -46,7 +47,7 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.lifecycle import RequestLifecycle
-from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal
+from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
 from index.store import PrefixIndex
 
 logger = logging.getLogger("cachetier.service.server")
@@ -70,6 +71,8 @@ class ServiceSettings:
     max_frame: int = DEFAULT_MAX_FRAME
     redis_connections: int = 64
     redis_wait_s: float = 10.0  # for a free connection of the pool, under load
+    # plans of one pool arriving within this tick share one step (`batching`); 0: each alone
+    batch_tick_s: float = 0.001
     # pools whose geometry differs from `config` (e.g. a decode pool of another TP degree)
     pool_configs: dict[str, Config] = field(default_factory=dict)
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -80,6 +83,7 @@ class _Pool:
     index: PrefixIndex
     agents: PoolAgents
     config: Config
+    plans: PlanCoalescer | None = None  # None: `batch_tick_s` is 0
 
 
 def describe(exc: BaseException) -> ErrorInfo:
@@ -147,6 +151,9 @@ class CacheTierService:
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, *self._losses, return_exceptions=True)
+        for state in self._pools.values():
+            if state.plans is not None:
+                await state.plans.close()
         if self._redis is not None:
             await self._redis.aclose(close_connection_pool=True)
         if self._endpoint is not None and self._endpoint.scheme == "unix":
@@ -311,7 +318,12 @@ class CacheTierService:
     def _new_pool(self, pool: str) -> _Pool:
         config = self.config_for(pool)
         index = PrefixIndex(self.redis, pool, config)
-        return _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
+        state = _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
+        if self.settings.batch_tick_s > 0:
+            state.plans = PlanCoalescer(functools.partial(self._plan_now, state),
+                                        index.release,
+                                        self.settings.batch_tick_s, config.cache.max_batch)
+        return state
 
     async def _known_pool(self, pool: str) -> _Pool:
         """The pool's state here; a pool that does not exist in Redis is not remembered, so
@@ -328,19 +340,26 @@ class CacheTierService:
 
     async def _plan(self, msg: Plan) -> PlanReply:
         state = await self._known_pool(msg.pool)
+        if state.plans is None:
+            outcome = await self._plan_now(state, msg.requests)
+        else:
+            outcome = await state.plans.plan(msg.requests)
+        if isinstance(outcome, StepRefusal):
+            return PlanReply(refusal=outcome)
+        self.observer.step_planned(msg.pool, outcome)
+        return PlanReply(plan=outcome)
+
+    async def _plan_now(self, state: _Pool,
+                        requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        """One step: the plan script, the copies on every rank, the confirm."""
         links = state.agents.ready_links()
         with state.agents.step() as guard:
             steps = RequestLifecycle(state.index,
                                      functools.partial(self._carry_out, state, links, guard))
-            plan_step = functools.partial(steps.plan, msg.requests)
-            if all(r.is_new for r in msg.requests):
-                outcome = await _retry_if_stale(plan_step)
-            else:  # a continuing request belongs to the epoch it was planned in
-                outcome = await plan_step()
-            if isinstance(outcome, StepRefusal):
-                return PlanReply(refusal=outcome)
-        self.observer.step_planned(msg.pool, outcome)
-        return PlanReply(plan=outcome)
+            plan_step = functools.partial(steps.plan, requests)
+            if all(r.is_new for r in requests):
+                return await _retry_if_stale(plan_step)
+            return await plan_step()  # a continuing request belongs to the epoch it was planned in
 
     async def _carry_out(self, state: _Pool, links: list[AgentLink], guard: StepGuard,
                          plan: StepPlan) -> None:

@@ -1,0 +1,203 @@
+"""Concurrent plans of one pool share one plan script call (`cachetier.service.batching`).
+
+Through a real service, agent and Redis: the plan script calls are counted by wrapping the
+service's `PrefixIndex.plan_step` of the pool (the call still goes to Redis). The timing and the
+cancellation while a merged step runs are checked on `PlanCoalescer` itself, with a step the test
+holds open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from cachetier.client import CacheTierClient
+from cachetier.errors import RemoteError
+from cachetier.service.batching import PlanCoalescer
+from cachetier.service.server import CacheTierService
+from index.lifecycle import RequestLifecycle
+from index.records import RequestPlan, StepPlan, StepRefusal, StepRequest
+from index.store import pool_keys
+from tests.cluster_harness import (BLOCK, TINY, TOKEN, assert_no_pins, eventually,
+                                   running_agent, running_service)
+from tests.index_harness import commit_item, new_request
+
+TICK = 0.2  # long enough that the callers a test starts together are sure to share a step
+
+
+def prompt(n: int, length: int = 100) -> list[int]:
+    return [1 + (n * 131 + 7 * i) % 997 for i in range(length)]
+
+
+@dataclass
+class Batching:
+    """A service with a long tick and its agent; the batch size of every plan script call, and
+    the first calls held (their script has run) until their `holds` are set, so the callers that come
+    next find a step in flight and gather."""
+
+    service: CacheTierService
+    sizes: list[int] = field(default_factory=list)
+    holds: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event()])
+
+    @property
+    def first_done(self) -> asyncio.Event:
+        return self.holds[0]
+
+
+@pytest.fixture
+async def batching(redis, redis_url) -> AsyncIterator[Batching]:
+    async with running_service(redis_url, batch_tick_s=TICK) as service, \
+            running_agent(service.url):
+        seen = Batching(service)
+        index = service._pools["p"].index
+        plan_step = index.plan_step
+
+        async def counted(requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+            seen.sizes.append(len(requests))
+            call = len(seen.sizes) - 1
+            outcome = await plan_step(requests)
+            if call < len(seen.holds):
+                await seen.holds[call].wait()
+            return outcome
+
+        index.plan_step = counted  # type: ignore[method-assign]
+        yield seen
+
+
+async def clients(url: str, n: int) -> list[CacheTierClient]:
+    return [await CacheTierClient(url, token=TOKEN, timeout=10).__aenter__() for _ in range(n)]
+
+
+async def test_concurrent_callers_share_one_script_call_and_get_their_own_plans(batching, redis):
+    service, sizes = batching.service, batching.sizes
+    tiers = await clients(service.url, 5)
+    try:
+        batches = {n: [new_request(f"c{n}.{k}", prompt(10 * n + k), 100, BLOCK)
+                       for k in range(n % 2 + 1)] for n in range(5)}
+        first = asyncio.create_task(tiers[0].plan("p", batches[0]))  # the idle pool: sent at once
+        await asyncio.sleep(0.01)
+        rest = await asyncio.gather(*(tiers[n].plan("p", batches[n]) for n in range(1, 5)))
+        batching.first_done.set()
+        plans = [await first] + list(rest)
+        assert sizes == [1, sum(len(batches[n]) for n in range(1, 5))]
+        for n, plan in enumerate(plans):
+            assert isinstance(plan, StepPlan)
+            assert [r.rid for r in plan.requests] == [r.rid for r in batches[n]]
+            assert all(r.hit_tokens == 0 and r.stop == 100 for r in plan.requests)
+        assert len({p.ticket for p in plans[1:]}) == 1 and plans[0].ticket != plans[1].ticket
+        pages = [page for p in plans for r in p.requests for g in r.mla_pages for page in g]
+        assert len(pages) == len(set(pages))  # nobody got another caller's pages
+        # each caller finishes on its own: commits, confirms its own commit ticket, releases
+        for n, plan in enumerate(plans):
+            done = await RequestLifecycle(tiers[n].pool("p")).finish(
+                [commit_item(r, r.stop, True, True, BLOCK) for r in plan.requests])
+            assert sorted(r.rid for r in done.requests) == sorted(r.rid for r in plan.requests)
+            await tiers[n].release("p", [r.rid for r in plan.requests])
+        await assert_no_pins(redis)
+        again = await tiers[1].plan("p", [new_request("again", prompt(10), 100, BLOCK)])
+        assert isinstance(again, StepPlan) and again.requests[0].hit_tokens > 0
+        await tiers[1].release("p", ["again"])
+    finally:
+        for tier in tiers:
+            await tier.close()
+    await assert_no_pins(redis)
+
+
+async def test_a_refused_or_invalid_caller_does_not_fail_the_others(batching, redis):
+    service, sizes = batching.service, batching.sizes
+    tiers = await clients(service.url, 5)
+    try:
+        huge = 64 * (TINY.cache.num_pages + 8)  # more pages than the pool holds
+        first = asyncio.create_task(tiers[0].plan("p", [new_request("a", prompt(1), 100, BLOCK)]))
+        await asyncio.sleep(0.01)
+        refused, unknown, twice, fine = await asyncio.gather(
+            tiers[1].plan("p", [new_request("big", prompt(2, huge), huge, BLOCK)]),
+            tiers[2].plan("p", [StepRequest("never-planned", 16, 100)]),
+            tiers[3].plan("p", [new_request("a", prompt(3), 100, BLOCK)]),  # "a" is in flight
+            tiers[4].plan("p", [new_request("b", prompt(4), 100, BLOCK)]),
+            return_exceptions=True)
+        batching.first_done.set()
+        assert isinstance(await first, StepPlan)
+        assert sizes[:2] == [1, 4]  # the merged step was tried, then each caller alone
+        assert isinstance(refused, StepRefusal)
+        assert isinstance(unknown, RemoteError) and isinstance(twice, RemoteError)
+        assert isinstance(fine, StepPlan) and [r.rid for r in fine.requests] == ["b"]
+        await tiers[0].release("p", ["a"])
+        await tiers[4].release("p", ["b"])
+    finally:
+        for tier in tiers:
+            await tier.close()
+    await assert_no_pins(redis)
+
+
+async def test_a_caller_leaving_mid_tick_or_mid_step_loses_nothing_of_the_others(batching, redis):
+    """The callers here are the coalescer's own (a closed client connection does not cancel its
+    requests in the service; `close()` does, for all at once)."""
+    service, sizes = batching.service, batching.sizes
+    coalescer = service._pools["p"].plans
+    assert coalescer is not None
+    second_done = asyncio.Event()
+    batching.holds.append(second_done)
+    first = asyncio.create_task(coalescer.plan([new_request("a", prompt(1), 100, BLOCK)]))
+    await asyncio.sleep(0.01)
+    leaving = asyncio.create_task(coalescer.plan([new_request("x", prompt(2), 100, BLOCK)]))
+    held = [asyncio.create_task(coalescer.plan([new_request(rid, prompt(n), 100, BLOCK)]))
+            for n, rid in ((3, "y"), (4, "z"))]
+    await asyncio.sleep(TICK / 4)
+    leaving.cancel()  # mid-tick: dropped from its batch
+    await asyncio.sleep(TICK)
+    assert sizes == [1, 2]  # y and z, planned and held
+    held[1].cancel()  # mid-step: its requests are released once the step is planned
+    second_done.set()
+    assert [r.rid for r in (await held[0]).requests] == ["y"]
+    batching.holds[0].set()
+    assert [r.rid for r in (await first).requests] == ["a"]
+    await asyncio.gather(leaving, held[1], return_exceptions=True)
+    async with CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
+        await tier.release("p", ["a", "y"])
+        await eventually(lambda: redis.hlen(pool_keys("p")[6]), lambda n: n == 0)
+    await assert_no_pins(redis)
+
+
+class HeldSteps:
+    """A `PlanCoalescer` step the test holds open: records when each batch was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[float, list[str]]] = []
+        self.released: list[list[str]] = []
+        self.go = asyncio.Event()
+
+    async def run(self, requests: Sequence[StepRequest]) -> StepPlan:
+        self.sent.append((time.perf_counter(), [r.rid for r in requests]))
+        await self.go.wait()
+        return StepPlan(len(self.sent), 1, [RequestPlan(r.rid, 0, 0, 1, [], [], [], 0, [])
+                                            for r in requests], 0)
+
+    async def release(self, rids: Sequence[str]) -> None:
+        self.released.append(list(rids))
+
+
+async def test_a_caller_waits_at_most_the_tick_and_one_leaving_mid_step_is_released():
+    held = HeldSteps()
+    coalescer = PlanCoalescer(held.run, held.release, tick_s=0.05, max_batch=8)
+    begin = time.perf_counter()
+    alone = asyncio.create_task(coalescer.plan([StepRequest("a", 1, 1)]))
+    await asyncio.sleep(0)
+    assert held.sent[0][0] - begin < 0.01  # an idle pool: sent at once
+    arrived = time.perf_counter()
+    waiting = [asyncio.create_task(coalescer.plan([StepRequest(rid, 1, 1)])) for rid in "bc"]
+    await asyncio.sleep(0.1)  # the first step is still held open
+    sent_at, rids = held.sent[1]
+    assert rids == ["b", "c"] and sent_at - arrived < 0.05 + 0.02
+    waiting[0].cancel()  # leaves while its merged step runs
+    held.go.set()
+    assert [r.rid for r in (await waiting[1]).requests] == ["c"]
+    assert (await alone).requests[0].rid == "a"
+    assert held.released == [["b"]]
+    full = await coalescer.plan([StepRequest(f"f{n}", 1, 1) for n in range(8)])
+    assert len(full.requests) == 8 and len(held.sent) == 3
+    await coalescer.close()
