@@ -1,6 +1,6 @@
 """`cachetier bench service --quick` end to end through the CLI, against the tests' redis-server:
 a service and an in-process CPU agent, steps through the service next to the index called
-directly, and a short throughput run."""
+directly, and a short throughput run, batched and (`--unbatched`) not."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureFixture[str],
                                                          redis_url: str) -> None:
     before = all_keys(redis_url)
-    code, out, err = bench(capsys, "--json", "--quick", "--redis", redis_url)
+    code, out, err = bench(capsys, "--json", "--quick", "--unbatched", "--redis", redis_url)
     assert code == 0, err
     result = json.loads(out)
     assert [(c["batch"], c["tokens"]) for c in result["cases"]] == [(1, 1024), (4, 1024)]
@@ -39,6 +39,13 @@ def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureF
         assert case["ratio"] == pytest.approx(case["service_p50_us"] / case["direct_p50_us"],
                                               rel=1e-2)
     assert result["throughput_steps_per_s"] > 0 and result["throughput_min_client_steps"] > 0
+    assert result["throughput_plan_p50_us"] <= result["throughput_cycle_p50_us"]
+    unbatched = result["unbatched"]  # the same run through a replica that batches nothing
+    assert unbatched["steps_per_s"] > 0 and unbatched["min_client_steps"] > 0
+    assert result["batching_speedup"] == pytest.approx(
+        result["throughput_steps_per_s"] / unbatched["steps_per_s"], rel=2e-2)
+    assert result["batching_plan_p50_ratio"] == pytest.approx(
+        unbatched["plan_p50_us"] / result["throughput_plan_p50_us"], rel=2e-2)
     assert result["clients"] == 4 and result["agents"].startswith("in-process cpu")
     assert "bench service: 1024 tokens x 4" in err            # progress on stderr, not stdout
     assert all_keys(redis_url) == before                       # a shared server is left as found

@@ -17,8 +17,13 @@ The releases that undo each step run outside the timed region.
 
 Throughput: `--clients` concurrent clients, each its own `CacheTierClient` (connection) and its
 own conversation, repeat plan (through the service, copies and confirm included) + release for
-a fixed duration; steps/s counts completed plan+release cycles. Everything (clients, service,
-agents) shares this process's event loop, and redis-server runs next to it on the same machine.
+a fixed duration; steps/s counts completed plan+release cycles, and `throughput_plan_p50_us` is
+the plan alone. The service batches the plans that arrive for the pool while a step is in flight
+(`ServiceSettings.batch_tick_s`); `--unbatched` runs the same throughput again, in the same run,
+through a second replica of the service that plans every step alone (the same agents serve both)
+and reports it as `unbatched`, with `batching_speedup` (steps/s) and `batching_plan_p50_ratio`.
+Everything (clients, services, agents) shares this process's event loop, and redis-server runs
+next to it on the same machine.
 
 Geometry: the kimi-k3 preset's cache geometry (512-token hash blocks, 6144-token pages, so the
 plan script does the work of the real deployment) with a model shrunk to small pages (one layer
@@ -144,17 +149,21 @@ class TimedAgent(Agent):
 
 
 @asynccontextmanager
-async def cluster(url: str, config: Config,
-                  pool: str) -> AsyncIterator[tuple[CacheTierService, list[TimedAgent]]]:
-    """The service and one in-process CPU agent per rank, registered."""
+async def cluster(url: str, config: Config, pool: str, unbatched: bool = False
+                  ) -> AsyncIterator[tuple[list[CacheTierService], list[TimedAgent]]]:
+    """The service and one in-process CPU agent per rank, registered; with `unbatched`, a second
+    replica of the service that plans every step alone (`batch_tick_s=0`), which the same
+    agents serve too."""
     settings = ServiceSettings(redis_url=url, token=TOKEN, config=config,
                                listen="tcp://127.0.0.1:0", copy_timeout_s=60.0)
+    replicas = [settings] + ([dataclasses.replace(settings, batch_tick_s=0.0)]
+                             if unbatched else [])
     async with AsyncExitStack() as stack:
-        service = await stack.enter_async_context(CacheTierService(settings))
+        services = [await stack.enter_async_context(CacheTierService(s)) for s in replicas]
         tasks = []
         for rank in range(config.model.tp_degree):
-            agent = TimedAgent(AgentSettings((service.url,), pool, TOKEN, rank=rank,
-                                             tp_degree=config.model.tp_degree))
+            agent = TimedAgent(AgentSettings(tuple(s.url for s in services), pool, TOKEN,
+                                             rank=rank, tp_degree=config.model.tp_degree))
             tasks.append((agent, asyncio.create_task(agent.run())))
         try:
             for agent, task in tasks:
@@ -166,11 +175,20 @@ async def cluster(url: str, config: Config,
                     task.result()
                 if not agent.registered.is_set():
                     raise RuntimeError("an agent did not register within 60 s")
-            yield service, [agent for agent, _ in tasks]
+            for service in services[1:]:  # a late registration would start a new epoch mid-run
+                await _served_by_all(service.url, pool, config.model.tp_degree)
+            yield services, [agent for agent, _ in tasks]
         finally:
             for _, task in tasks:
                 task.cancel()
             await asyncio.gather(*(task for _, task in tasks), return_exceptions=True)
+
+
+async def _served_by_all(url: str, pool: str, tp_degree: int) -> None:
+    """Wait (60 s at most) until every rank's agent has registered with the service at `url`."""
+    async with CacheTierClient(url, token=TOKEN, timeout=60) as tier, asyncio.timeout(60):
+        while (await tier.health()).pools.get(pool) != list(range(tp_degree)):
+            await asyncio.sleep(0.01)
 
 
 async def serve_first_turns(tier: CacheTierClient, pool: str, rids: Sequence[str],
@@ -281,6 +299,7 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
     hit = tokens - step_tokens
     counts = [0] * clients
     latencies: list[int] = []
+    plan_latencies: list[int] = []
     async with AsyncExitStack() as stack:
         tiers = [await stack.enter_async_context(CacheTierClient(url, token=TOKEN, timeout=60))
                  for _ in range(clients)]
@@ -296,6 +315,7 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
                 begin = time.perf_counter_ns()
                 async with RequestLifecycle(through_service) as steps:
                     expect_plan(await steps.plan([request]), hit, "throughput step")
+                    plan_latencies.append(time.perf_counter_ns() - begin)
                 latencies.append(time.perf_counter_ns() - begin)
                 counts[n] += 1
 
@@ -311,6 +331,8 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
             "throughput_tokens": tokens, "throughput_duration_s": round(elapsed, 2),
             "throughput_cycle_p50_us": round(float(np.median(latencies)) / 1e3, 1)
             if latencies else None,
+            "throughput_plan_p50_us": round(float(np.median(plan_latencies)) / 1e3, 1)
+            if plan_latencies else None,
             "throughput_min_client_steps": min(counts)}
 
 
@@ -340,8 +362,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             progress(f"pool {pool}: {config.cache.num_pages} pages of "
                      f"{config.describe()['page_bytes']} bytes, "
                      f"{config.model.tp_degree} in-process CPU agent(s)")
-            async with cluster(url, config, pool) as (service, agents), \
-                    CacheTierClient(service.url, token=TOKEN, timeout=60) as tier:
+            async with cluster(url, config, pool, args.unbatched) as (services, agents), \
+                    CacheTierClient(services[0].url, token=TOKEN, timeout=60) as tier:
                 index.epoch = await index.current_epoch()
                 blobs: dict[int, list[bytes]] = {}
                 for t, n in conversations.items():
@@ -364,9 +386,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"{result['rtt_p50_us']} us, ratio {result['ratio']}")
                     results.append(result)
                 progress(f"throughput: {clients} clients for {duration:g} s at {tp_tokens} tokens")
-                tput = await throughput(service.url, pool, blobs[tp_tokens], tp_tokens,
+                tput = await throughput(services[0].url, pool, blobs[tp_tokens], tp_tokens,
                                         step_tokens, clients, duration)
-                progress(f"throughput: {tput['throughput_steps_per_s']} steps/s")
+                progress(f"throughput: {tput['throughput_steps_per_s']} steps/s, plan p50 "
+                         f"{tput['throughput_plan_p50_us']} us")
+                if args.unbatched:
+                    tput.update(await compare_unbatched(services[1].url, pool, blobs[tp_tokens],
+                                                        tp_tokens, step_tokens, clients,
+                                                        duration, tput))
         finally:
             keys = [key async for key in redis.scan_iter(match=f"*{pool}*")]
             if keys:
@@ -374,9 +401,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await redis.aclose()
     target = _target(results, TOKENS[0], BATCHES[-1])
     return {"cases": results, **tput, "clients": clients,
+            "batch_tick_s": ServiceSettings.batch_tick_s,
             "agents": f"in-process cpu x{config.model.tp_degree}",
             "geometry": _geometry(config, args.full_pages), "target": target,
             "redis_version": version, "runtime_s": round(time.perf_counter() - wall, 1)}
+
+
+async def compare_unbatched(url: str, pool: str, blobs: Sequence[bytes], tokens: int,
+                            step_tokens: int, clients: int, duration: float,
+                            batched: dict[str, Any]) -> dict[str, Any]:
+    """The same throughput run through the replica that plans every step alone, and how the
+    batched run compares: `batching_speedup` (steps/s, batched over unbatched) and
+    `batching_plan_p50_ratio` (plan p50, unbatched over batched)."""
+    alone = await throughput(url, pool, blobs, tokens, step_tokens, clients, duration)
+    progress(f"throughput unbatched: {alone['throughput_steps_per_s']} steps/s, plan p50 "
+             f"{alone['throughput_plan_p50_us']} us")
+    speedup = batched["throughput_steps_per_s"] / alone["throughput_steps_per_s"]
+    plan_ratio = alone["throughput_plan_p50_us"] / batched["throughput_plan_p50_us"]
+    return {"unbatched": {key.removeprefix("throughput_"): value
+                          for key, value in alone.items()},
+            "batching_speedup": round(speedup, 2),
+            "batching_plan_p50_ratio": round(plan_ratio, 2)}
 
 
 def _layer_slots(config: Config) -> int:
@@ -410,5 +455,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"concurrent clients of the throughput run (default {CLIENTS})")
     parser.add_argument("--duration", type=float, metavar="S",
                         help=f"length of the throughput run (default {DURATION_S:g} s)")
+    parser.add_argument("--unbatched", action="store_true",
+                        help="also run the throughput through a replica that plans every step "
+                             "alone (batch_tick_s 0), in the same run, and report both")
     parser.add_argument("--quick", action="store_true",
                         help="one small prompt, small batches, few steps: a smoke run for tests")
