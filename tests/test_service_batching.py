@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from cachetier.cli import main
 from cachetier.client import CacheTierClient
 from cachetier.errors import RemoteError
 from cachetier.service.batching import PlanCoalescer
-from cachetier.service.server import CacheTierService
+from cachetier.service.server import CacheTierService, ServiceSettings
 from index.lifecycle import RequestLifecycle
 from index.records import RequestPlan, StepPlan, StepRefusal, StepRequest
 from index.store import pool_keys
@@ -201,3 +202,22 @@ async def test_a_caller_waits_at_most_the_tick_and_one_leaving_mid_step_is_relea
     full = await coalescer.plan([StepRequest(f"f{n}", 1, 1) for n in range(8)])
     assert len(full.requests) == 8 and len(held.sent) == 3
     await coalescer.close()
+
+
+@pytest.mark.parametrize("flags, tick", [([], 0.001), (["--batch-tick", "0"], 0.0),
+                                         (["--batch-tick", "0.004"], 0.004)])
+def test_serve_takes_its_batch_tick_from_the_command_line(monkeypatch, flags, tick):
+    settings: list[ServiceSettings] = []
+
+    async def run_service(given: ServiceSettings, *_: object) -> None:
+        settings.append(given)
+
+    monkeypatch.setattr("cachetier.run.nodes.run_service", run_service)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--token", TOKEN, *flags]) == 0
+    assert [s.batch_tick_s for s in settings] == [tick]
+
+
+def test_a_negative_batch_tick_is_refused(capsys):
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--token", TOKEN,
+                 "--batch-tick", "-1"]) == 2
+    assert "cachetier: --batch-tick:" in capsys.readouterr().err
