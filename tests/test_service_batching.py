@@ -21,7 +21,7 @@ from cachetier.errors import RemoteError
 from cachetier.service.batching import PlanCoalescer
 from cachetier.service.server import CacheTierService, ServiceSettings
 from index.lifecycle import RequestLifecycle
-from index.records import RequestPlan, StepPlan, StepRefusal, StepRequest
+from index.records import ReleaseResult, RequestPlan, StepPlan, StepRefusal, StepRequest
 from index.store import pool_keys
 from tests.cluster_harness import (BLOCK, TINY, TOKEN, assert_no_pins, eventually,
                                    running_agent, running_service)
@@ -164,6 +164,43 @@ async def test_a_caller_leaving_mid_tick_or_mid_step_loses_nothing_of_the_others
     await assert_no_pins(redis)
 
 
+async def test_concurrent_releases_share_one_script_call_and_get_their_own_results(batching,
+                                                                                  redis):
+    service, index = batching.service, batching.service._pools["p"].index
+    tiers = await clients(service.url, 4)
+    sizes: list[int] = []
+    first_done = asyncio.Event()
+    release = index.release
+
+    async def counted(rids: Sequence[str]) -> ReleaseResult:
+        sizes.append(len(rids))
+        result = await release(rids)
+        if len(sizes) == 1:
+            await first_done.wait()
+        return result
+
+    try:
+        batching.first_done.set()
+        for n in range(4):
+            await tiers[n].plan("p", [new_request(f"r{n}.{k}", prompt(10 * n + k), 100, BLOCK)
+                                      for k in range(2)])
+        index.release = counted  # type: ignore[method-assign]
+        first = asyncio.create_task(tiers[0].release("p", ["r0.0", "r0.1"]))
+        await asyncio.sleep(0.01)
+        results = await asyncio.gather(tiers[1].release("p", ["r1.0", "r1.1"]),
+                                       tiers[2].release("p", ["r2.0", "gone"]),
+                                       tiers[3].release("p", ["r3.0"]))
+        first_done.set()
+        assert (await first).released == 2 and sizes == [2, 5]
+        assert [(r.released, r.unknown) for r in results] == [(2, []), (1, ["gone"]), (1, [])]
+        twice = await asyncio.gather(*(tiers[n].release("p", ["r2.1", "r3.1"]) for n in (2, 3)))
+        assert sorted(r.released for r in twice) == [0, 2] and sizes == [2, 5, 2, 2]
+    finally:
+        for tier in tiers:
+            await tier.close()
+    await assert_no_pins(redis)
+
+
 class HeldSteps:
     """A `PlanCoalescer` step the test holds open: records when each batch was sent."""
 
@@ -198,10 +235,10 @@ async def test_a_caller_waits_at_most_the_tick_and_one_leaving_mid_step_is_relea
     held.go.set()
     assert [r.rid for r in (await waiting[1]).requests] == ["c"]
     assert (await alone).requests[0].rid == "a"
-    assert held.released == [["b"]]
     full = await coalescer.plan([StepRequest(f"f{n}", 1, 1) for n in range(8)])
     assert len(full.requests) == 8 and len(held.sent) == 3
-    await coalescer.close()
+    await coalescer.close()  # waits for the release of the caller that left
+    assert held.released == [["b"]]
 
 
 @pytest.mark.parametrize("flags, tick", [([], 0.001), (["--batch-tick", "0"], 0.0),

@@ -33,7 +33,7 @@ from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
                               ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
                               error_info)
-from cachetier.service.batching import PlanCoalescer
+from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.observer import ServiceObserver
@@ -84,6 +84,7 @@ class _Pool:
     agents: PoolAgents
     config: Config
     plans: PlanCoalescer | None = None  # None: `batch_tick_s` is 0
+    releases: ReleaseCoalescer | None = None
 
 
 def describe(exc: BaseException) -> ErrorInfo:
@@ -152,8 +153,9 @@ class CacheTierService:
             task.cancel()
         await asyncio.gather(*self._connections, *self._losses, return_exceptions=True)
         for state in self._pools.values():
-            if state.plans is not None:
-                await state.plans.close()
+            for coalescer in (state.plans, state.releases):
+                if coalescer is not None:
+                    await coalescer.close()
         if self._redis is not None:
             await self._redis.aclose(close_connection_pool=True)
         if self._endpoint is not None and self._endpoint.scheme == "unix":
@@ -320,9 +322,10 @@ class CacheTierService:
         index = PrefixIndex(self.redis, pool, config)
         state = _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
         if self.settings.batch_tick_s > 0:
-            state.plans = PlanCoalescer(functools.partial(self._plan_now, state),
-                                        index.release,
-                                        self.settings.batch_tick_s, config.cache.max_batch)
+            tick, most = self.settings.batch_tick_s, config.cache.max_batch
+            state.plans = PlanCoalescer(functools.partial(self._plan_now, state), index.release,
+                                        tick, most)
+            state.releases = ReleaseCoalescer(functools.partial(_release_now, index), tick, most)
         return state
 
     async def _known_pool(self, pool: str) -> _Pool:
@@ -393,7 +396,10 @@ class CacheTierService:
 
     async def _release(self, msg: Release) -> ReleaseResult:
         state = await self._known_pool(msg.pool)
-        result = await _retry_if_stale(functools.partial(state.index.release, msg.rids))
+        if state.releases is None:
+            result = await _release_now(state.index, msg.rids)
+        else:
+            result = await state.releases.submit(msg.rids)
         self.observer.released(msg.pool, result)
         return result
 
@@ -449,3 +455,7 @@ async def _retry_if_stale(call: Callable[[], Awaitable[T]]) -> T:
         return await call()
     except StaleEpoch:
         return await call()
+
+
+async def _release_now(index: PrefixIndex, rids: Sequence[str]) -> ReleaseResult:
+    return await _retry_if_stale(functools.partial(index.release, rids))
