@@ -143,10 +143,10 @@ async def test_a_caller_leaving_mid_tick_or_mid_step_loses_nothing_of_the_others
     assert coalescer is not None
     second_done = asyncio.Event()
     batching.holds.append(second_done)
-    first = asyncio.create_task(coalescer.plan([new_request("a", prompt(1), 100, BLOCK)]))
+    first = asyncio.create_task(coalescer.submit([new_request("a", prompt(1), 100, BLOCK)]))
     await asyncio.sleep(0.01)
-    leaving = asyncio.create_task(coalescer.plan([new_request("x", prompt(2), 100, BLOCK)]))
-    held = [asyncio.create_task(coalescer.plan([new_request(rid, prompt(n), 100, BLOCK)]))
+    leaving = asyncio.create_task(coalescer.submit([new_request("x", prompt(2), 100, BLOCK)]))
+    held = [asyncio.create_task(coalescer.submit([new_request(rid, prompt(n), 100, BLOCK)]))
             for n, rid in ((3, "y"), (4, "z"))]
     await asyncio.sleep(TICK / 4)
     leaving.cancel()  # mid-tick: dropped from its batch
@@ -223,11 +223,11 @@ async def test_a_caller_waits_at_most_the_tick_and_one_leaving_mid_step_is_relea
     held = HeldSteps()
     coalescer = PlanCoalescer(held.run, held.release, tick_s=0.05, max_batch=8)
     begin = time.perf_counter()
-    alone = asyncio.create_task(coalescer.plan([StepRequest("a", 1, 1)]))
+    alone = asyncio.create_task(coalescer.submit([StepRequest("a", 1, 1)]))
     await asyncio.sleep(0)
     assert held.sent[0][0] - begin < 0.01  # an idle pool: sent at once
     arrived = time.perf_counter()
-    waiting = [asyncio.create_task(coalescer.plan([StepRequest(rid, 1, 1)])) for rid in "bc"]
+    waiting = [asyncio.create_task(coalescer.submit([StepRequest(rid, 1, 1)])) for rid in "bc"]
     await asyncio.sleep(0.1)  # the first step is still held open
     sent_at, rids = held.sent[1]
     assert rids == ["b", "c"] and sent_at - arrived < 0.05 + 0.02
@@ -235,7 +235,7 @@ async def test_a_caller_waits_at_most_the_tick_and_one_leaving_mid_step_is_relea
     held.go.set()
     assert [r.rid for r in (await waiting[1]).requests] == ["c"]
     assert (await alone).requests[0].rid == "a"
-    full = await coalescer.plan([StepRequest(f"f{n}", 1, 1) for n in range(8)])
+    full = await coalescer.submit([StepRequest(f"f{n}", 1, 1) for n in range(8)])
     assert len(full.requests) == 8 and len(held.sent) == 3
     await coalescer.close()  # waits for the release of the caller that left
     assert held.released == [["b"]]

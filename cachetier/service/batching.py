@@ -22,6 +22,7 @@ away after has its requests released here once the step is planned, so nothing s
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,7 +46,7 @@ class _Caller(Generic[Item, Out]):
     answer: asyncio.Future[Out]
 
 
-class _Coalescer(Generic[Item, Out]):
+class _Coalescer(abc.ABC, Generic[Item, Out]):
     """`await coalescer.submit(items)` is `run(items)`, shared with the calls of other callers
     that arrive within `tick_s` while a call is in flight; `_merged` says how to share one."""
 
@@ -113,8 +114,9 @@ class _Coalescer(Generic[Item, Out]):
                 if not caller.answer.done():
                     caller.answer.cancel()
 
+    @abc.abstractmethod
     async def _merged(self, callers: list[_Caller[Item, Out]]) -> None:
-        raise NotImplementedError
+        """Run the callers' items as one call and give each its own share of the answer."""
 
     async def _each_alone(self, callers: list[_Caller[Item, Out]]) -> None:
         await asyncio.gather(*(self._answer(c, self._run(c.items)) for c in callers))
@@ -142,9 +144,6 @@ class PlanCoalescer(_Coalescer[StepRequest, Outcome]):
         self._release = release
         self._abandoned: set[asyncio.Task[None]] = set()
 
-    async def plan(self, requests: Sequence[StepRequest]) -> Outcome:
-        return await self.submit(requests)
-
     async def _merged(self, callers: list[_Caller[StepRequest, Outcome]]) -> None:
         outcome: Outcome | None
         try:
@@ -167,7 +166,7 @@ class PlanCoalescer(_Coalescer[StepRequest, Outcome]):
 
     def _deliver(self, caller: _Caller[StepRequest, Outcome], out: Outcome) -> None:
         if not caller.answer.done():
-            caller.answer.set_result(out)
+            super()._deliver(caller, out)
         elif isinstance(out, StepPlan):  # the caller left while its step ran
             task = asyncio.create_task(self._abandon(out))
             self._abandoned.add(task)

@@ -346,7 +346,7 @@ class CacheTierService:
         if state.plans is None:
             outcome = await self._plan_now(state, msg.requests)
         else:
-            outcome = await state.plans.plan(msg.requests)
+            outcome = await state.plans.submit(msg.requests)
         if isinstance(outcome, StepRefusal):
             return PlanReply(refusal=outcome)
         self.observer.step_planned(msg.pool, outcome)
