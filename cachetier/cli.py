@@ -254,7 +254,37 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
 
 def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.run.cluster import up
-    return up(_cluster_settings(args, args.agents))
+    if args.vllm_model is None:
+        if args.info is not None:
+            raise ConfigError("--info", "is written for vLLM engines: give --vllm-model too")
+        return up(_cluster_settings(args, 2 if args.agents is None else args.agents))
+    from cachetier.run.vllm_cluster import serve_vllm
+    return serve_vllm(_vllm_cluster_settings(args), args.vllm_model, args.info)
+
+
+def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
+    """The pool sized for the model's vLLM layout (`cachetier.vllm.geometry`), then `--set`."""
+    from cachetier.config import override_arguments
+    from cachetier.run.cluster import ClusterSettings
+    from cachetier.vllm.geometry import GeometryMismatch, config_for_model
+    agents = 1 if args.agents is None else args.agents
+    if agents != 1:
+        raise ConfigError("--agents", "the vLLM connector serves engines of tensor-parallel "
+                                      f"size 1: one agent, got {agents}")
+    if args.info is None:
+        raise ConfigError("--info", "where to write the engines' settings: required with "
+                                    "--vllm-model")
+    try:
+        config = config_for_model(args.vllm_model, num_pages=args.pool_pages)
+    except (GeometryMismatch, ConfigError, OSError) as exc:
+        raise ConfigError("--vllm-model", str(exc)) from None
+    serve_config = override_arguments(config) + [f"--set={k}={v}" for k, v in args.overrides]
+    config = load_config(overrides=dict(flag.removeprefix("--set=").split("=", 1)
+                                        for flag in serve_config))  # the user's --set on top
+    run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
+                           config=config, serve_config_args=tuple(serve_config), agents=agents,
+                           port=args.port)
 
 
 def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -286,8 +316,17 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
 def _add_up_parser(commands: Any) -> None:
     up = commands.add_parser("up", help="run redis, mosquitto, the service and CPU agents here "
                                         "until Ctrl-C")
-    up.add_argument("--agents", type=int, default=2, metavar="N",
-                    help="CPU agents: the tensor-parallel ranks of pool pool0 (default 2)")
+    up.add_argument("--agents", type=int, default=None, metavar="N",
+                    help="CPU agents: the tensor-parallel ranks of pool pool0 (default 2; 1 with "
+                         "--vllm-model)")
+    up.add_argument("--vllm-model", type=Path, metavar="MODEL_DIR",
+                    help="size the pool for this model's vLLM layout and write --info for "
+                         "vLLM engines (Gated DeltaNet + GQA models)")
+    up.add_argument("--info", type=Path, metavar="FILE",
+                    help="with --vllm-model: JSON written once ready (service, token, pool, "
+                         "kv_transfer_config, engine_args), removed on stop")
+    up.add_argument("--pool-pages", type=int, default=1024, metavar="N",
+                    help="with --vllm-model: pages in the pool (default 1024)")
     _add_cluster_arguments(up, 7400)
     up.set_defaults(handler=_up)
 

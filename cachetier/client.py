@@ -28,9 +28,9 @@ from cachetier.errors import BrokenStream, ConnectionLost
 from cachetier.wire.channel import Channel, exchange
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint
 from cachetier.wire.protocol import (PROTOCOL_VERSION, Commit, Confirm, Handoff, HandoffReply,
-                                     Health, HealthReport, Hello, Plan, PlanReply, PoolStats,
+                                     Health, HealthReport, Hello, Pin, Plan, PlanReply, PoolStats,
                                      Release, Route, RouteReply, Stats, Welcome)
-from index.prefix import PrefixProbe
+from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, IndexStats, ReleaseResult, StepPlan,
                            StepRefusal, StepRequest)
 
@@ -89,6 +89,12 @@ class CacheTierClient:
         """Each pool's usable prefix of the prompt, longest first (read-only: for routing)."""
         reply: RouteReply = await self._call(Route(list(pools), prompt_tokens, hashes))
         return reply.probes
+
+    async def pin(self, pool: str, reader: str, prompt_tokens: int,
+                  hashes: bytes) -> PinnedPrefix:
+        """Pin the prompt's longest usable prefix under `reader` for this caller to read the pages
+        itself (an engine's connector); `release(pool, [reader])` unpins it."""
+        return await self._call(Pin(pool, reader, prompt_tokens, hashes))
 
     async def handoff(self, src_pool: str, dst_pool: str, prompt_tokens: int,
                       hashes: bytes) -> HandoffReply:

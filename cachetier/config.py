@@ -442,6 +442,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError("--config", str(exc)) from exc
 
 
+def override_arguments(config: Config) -> list[str]:
+    """`--set` flags that rebuild `config` whatever the preset: how a parent that computed a
+    configuration (`cachetier up --vllm-model`) hands exactly that one to `serve`."""
+    return [f"--set={section}.{key}={value}"
+            for section, spec in (("model", config.model), ("cache", config.cache))
+            for key, value in dataclasses.asdict(spec).items()]
+
+
 def _parse_override(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:

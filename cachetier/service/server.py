@@ -41,12 +41,13 @@ from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
                                      Handoff, HandoffReply, Health, HealthReport, Hello, Plan,
-                                     PlanReply, PoolStats, Register, Registered, Release, Route,
+                                     PlanReply, Pin, PoolStats, Register, Registered, Release, Route,
                                      RouteReply, Stats, Welcome, ok_frame, op_table, parse_request,
                                      request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.lifecycle import RequestLifecycle
+from index.prefix import PinnedPrefix
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
 from index.store import PrefixIndex
 
@@ -125,7 +126,7 @@ class CacheTierService:
         self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
             Plan: self._plan, Commit: self._commit, Confirm: self._confirm,
             Release: self._release, Stats: self._stats, Health: self._health,
-            Route: self._route, Handoff: self._handoff,
+            Route: self._route, Pin: self._pin, Handoff: self._handoff,
         }
 
     @property
@@ -414,6 +415,13 @@ class CacheTierService:
         probes = await asyncio.gather(*(s.index.probe(msg.prompt_tokens, msg.hashes)
                                         for s in states))
         return RouteReply(sorted(probes, key=lambda p: (-p.hit_tokens, -p.mla_tokens)))
+
+    async def _pin(self, msg: Pin) -> PinnedPrefix:
+        """The reader's pins are released like a request's (`Release`), so a reader that plans
+        again after a lost reply releases first, as the client's docstring says for plans."""
+        state = await self._known_pool(msg.pool)
+        return await _retry_if_stale(functools.partial(state.index.pin_prefix, msg.reader,
+                                                       msg.prompt_tokens, msg.hashes))
 
     async def _handoff(self, msg: Handoff) -> HandoffReply:
         """`cachetier.service.handoff`, as a step of both pools: a lost agent of either fails it, and

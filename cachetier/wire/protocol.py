@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, Mapping
 
 from cachetier.config import CacheSpec, ModelSpec
 from cachetier.errors import BadFrame, BadMessage, ErrorInfo, RemoteError, UnknownOp
-from index.prefix import PrefixProbe
+from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
                            StepRequest)
 
@@ -181,6 +181,20 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Pin:
+    """Pin the longest usable prefix of a prompt in `pool` under `reader`, until
+    `Release(pool, [reader])`: a reader outside the tier (an engine's KV connector) copies those
+    pages itself, and nothing evicts or rewrites them meanwhile. A hit of 0 pins nothing."""
+
+    op: ClassVar[str] = "pin"
+    reply: ClassVar[Any] = PinnedPrefix
+    pool: str
+    reader: str
+    prompt_tokens: int
+    hashes: bytes
+
+
+@dataclass(frozen=True)
 class HandoffReply:
     hit_tokens: int
     moved_tokens: int
@@ -241,7 +255,7 @@ def op_table(*messages: type) -> dict[str, type]:
     return {m.op: m for m in messages}
 
 
-CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health, Route, Handoff)
+CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health, Route, Pin, Handoff)
 AGENT_OPS = op_table(CopyBatch, Fetch)
 
 

@@ -1,0 +1,134 @@
+"""`CacheTierConnector`: cachetier as vLLM's KV connector for hybrid (GDN + GQA) models.
+
+    KVTransferConfig(kv_connector="CacheTierConnector", kv_connector_module_path="cachetier.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={...})
+
+vLLM builds it twice: in the scheduler (`ConnectorScheduler`: lookups, pins, save planning) and in
+each worker (`ConnectorWorker`: the copies and the saves' commits). Both refuse to start, with a
+message naming every difference, when the engine does not match the pool: another model (its
+fingerprint), another geometry (groups, heads, dims, dtypes, block size, hash unit), tensor
+parallelism (not served yet), or a mamba cache mode other than align (the saves need vLLM's
+boundary states).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole, SupportsHMA)
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from cachetier.config import Config
+from cachetier.vllm.geometry import (GeometryMismatch, geometry_differences, model_fingerprint,
+                                     model_spec_from_vllm)
+from cachetier.vllm.jobs import CacheTierMetadata
+from cachetier.vllm.scheduler_side import ConnectorScheduler
+from cachetier.vllm.settings import ConnectorSettings
+from cachetier.vllm.tier_thread import TierThread
+from cachetier.vllm.worker_side import ConnectorWorker, read_handle
+
+log = logging.getLogger("cachetier.vllm")
+
+
+class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = ConnectorSettings.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        config = _checked_config(settings, vllm_config, kv_cache_config)
+        groups = ["linear" if isinstance(g.kv_cache_spec, MambaSpec) else "full"
+                  for g in kv_cache_config.kv_cache_groups]
+        self._tier = TierThread(settings.service, settings.token, timeout_s=settings.timeout_s)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(settings, config, groups, self._tier)
+        else:
+            self._worker = ConnectorWorker(settings, config, groups,
+                                           [list(g.layer_names)
+                                            for g in kv_cache_config.kv_cache_groups],
+                                           self._tier)
+
+    # -- worker side -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole before the forward pass starts (`start_load_kv` returns after them)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Saves run once per step, after the pass (`wait_for_save`): a boundary state is whole
+        only once every layer ran."""
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        self._tier.close()
+
+    def _metadata(self) -> CacheTierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheTierMetadata)
+        return meta
+
+    # -- scheduler side ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.request_finished(request)
+
+
+def _checked_config(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any) -> Config:
+    """The pool's configuration, once the engine is shown to match it; else `GeometryMismatch`."""
+    handle, _ = read_handle(settings.handle_file)
+    pool = Config(handle.model, handle.cache)
+    cache_config = vllm_config.cache_config
+    problems = []
+    fingerprint = model_fingerprint(vllm_config.model_config.model)
+    if fingerprint != settings.model_id:
+        problems.append(f"model: engine serves {vllm_config.model_config.model} (fingerprint "
+                        f"{fingerprint}), pool {settings.pool} holds model {settings.model_id}")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp != 1:
+        problems.append(f"tensor_parallel_size: engine {tp}; this connector serves TP 1 only")
+    if cache_config.mamba_cache_mode != "align":
+        problems.append(f"mamba_cache_mode: engine {cache_config.mamba_cache_mode!r}, the "
+                        "connector needs 'align'")
+    engine_model = model_spec_from_vllm(kv_cache_config, tp)
+    hash_unit = cache_config.prefix_match_unit or cache_config.block_size
+    problems += geometry_differences(pool, engine_model, cache_config.block_size, hash_unit)
+    if problems:
+        raise GeometryMismatch(f"cachetier refuses this engine for pool {settings.pool}: "
+                               + "; ".join(problems))
+    return pool

@@ -1,0 +1,141 @@
+"""Which pool serves which vLLM engine: the geometry both must share, read from each side.
+
+The alignment rules (the connector refuses an engine that breaks one, naming it):
+
+- cachetier's hash block is vLLM's hash unit (`prefix_match_unit`, 128 by default here). A hit is
+  a multiple of it, so it is a boundary vLLM can resume at, and every boundary state vLLM offers
+  in align mode (the ends of its attention blocks and each prompt's last hash-unit boundary) is a
+  boundary cachetier can key a checkpoint by.
+- cachetier's page is vLLM's attention block (`block_size`): vLLM sizes that block so that one
+  attention block and one linear-attention state take the same bytes, which is cachetier's unified
+  page too, so one page id holds one vLLM block of either kind with the same padding.
+- The model fields (families, groups, heads, dims, dtypes, TP degree) are the pool's `ModelSpec`:
+  `model_spec_from_vllm` rebuilds it from the engine's `KVCacheConfig` (the state shapes vLLM
+  actually allocates, not what a config file says), and `geometry_differences` lists every field
+  that disagrees.
+- The namespace of the hashes is the model's fingerprint (`model_fingerprint`: its config and
+  weight files), vLLM's `cache_salt` and the LoRA adapter: two engines share entries only when
+  they would compute the same bytes.
+
+`engine_args_for` gives the vLLM engine arguments that realise these rules for a model directory
+(what `cachetier up --vllm-model` writes into its info file), and `config_for_model` the pool
+configuration that matches them, computed from the model's `config.json` the way vLLM sizes its
+blocks (the connector checks the result against the real engine at start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+from cachetier.config import DTYPE_BYTES, CacheSpec, Config, ModelSpec
+from cachetier.hf_config import hf_model_fields
+
+HASH_UNIT = 128  # vLLM's prefix_match_unit and cachetier's hash block
+SSM_STATE_DTYPE = "float32"  # vLLM keeps the GDN recurrent state in float32 (pinned below)
+_KERNEL_BLOCK_BASE = 128  # the smallest attention block vLLM's CPU and CUDA backends both accept
+
+
+class GeometryMismatch(ValueError):
+    """The engine and the pool disagree; the message names every differing field."""
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short id of the model's bytes: its config.json and every weight file (name, size and
+    content). Engines with the same fingerprint compute the same KV for the same tokens."""
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    files = [root / "config.json", *sorted(root.glob("*.safetensors"))]
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:24]
+
+
+def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 64) -> Config:
+    """The pool configuration for a GDN + GQA model served by vLLM with `engine_args_for`."""
+    fields = hf_model_fields(Path(model_dir) / "config.json")
+    if fields["linear_kind"] != "gdn":
+        raise GeometryMismatch(f"{model_dir}: only Gated DeltaNet + GQA models (Qwen3-Next, "
+                               "Qwen3.5) are served through vLLM here; KDA + MLA is not yet")
+    fields["kda_state_dtype"] = SSM_STATE_DTYPE
+    model = ModelSpec(**fields)
+    block = attention_block_tokens(model)
+    cache = CacheSpec(hash_block_tokens=HASH_UNIT, page_tokens=block, page_alignment=128,
+                      num_pages=num_pages, max_batch=max_batch)
+    return Config(model, cache)
+
+
+def attention_block_tokens(model: ModelSpec) -> int:
+    """vLLM's hybrid block size: the fewest tokens, a multiple of the kernel base, whose
+    attention page holds one linear-attention state (vLLM pads the state page to it)."""
+    token_bytes = 2 * model.gqa_kv_heads * model.gqa_head_dim * DTYPE_BYTES[model.mla_dtype]
+    state_bytes = model.kda_rank_conv_bytes + model.kda_rank_recurrent_bytes
+    base = math.lcm(_KERNEL_BLOCK_BASE, HASH_UNIT)
+    return base * math.ceil(state_bytes / (base * token_bytes))
+
+
+def engine_args_for(config: Config) -> dict[str, Any]:
+    """Every vLLM engine argument the connector relies on, pinned rather than left to defaults."""
+    return {"enable_prefix_caching": True, "mamba_cache_mode": "align",
+            "prefix_match_unit": config.cache.hash_block_tokens,
+            "block_size": config.cache.page_tokens, "dtype": config.model.mla_dtype,
+            "mamba_ssm_cache_dtype": config.model.kda_state_dtype,
+            "tensor_parallel_size": config.model.tp_degree}
+
+
+def model_spec_from_vllm(kv_cache_config: Any, tp_degree: int) -> ModelSpec:
+    """The `ModelSpec` an engine's `KVCacheConfig` describes (GDN + GQA groups only)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    linear = [g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    full = [g for g in kv_cache_config.kv_cache_groups
+            if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+    other = len(kv_cache_config.kv_cache_groups) - len(linear) - len(full)
+    if not linear or not full or other:
+        raise GeometryMismatch("the engine's KV cache groups are not GDN state + full attention: "
+                               f"{[type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]}")
+    state, attention = linear[0].kv_cache_spec, full[0].kv_cache_spec
+    (conv_len, conv_channels), (heads, v_dim, k_dim) = state.shapes
+    conv_dtype, state_dtype = (_dtype_name(d) for d in state.dtypes)
+    key_heads = (conv_channels - heads * v_dim) // (2 * k_dim)  # conv_dim = 2 Hk K + H V
+    layers = {len(g.layer_names) for g in (*linear, *full)}
+    if len(layers) != 1:
+        raise GeometryMismatch(f"the engine's groups hold different layer counts: {sorted(layers)}")
+    return ModelSpec(
+        name="vllm", linear_kind="gdn", attention_kind="gqa", kda_groups=len(linear),
+        mla_groups=len(full), layers_per_group=layers.pop(), kda_heads=heads * tp_degree,
+        kda_key_heads=key_heads * tp_degree, kda_head_k_dim=k_dim, kda_head_v_dim=v_dim,
+        kda_state_dtype=state_dtype, conv_kernel=conv_len + 1, conv_dtype=conv_dtype,
+        mla_latent_dim=0, gqa_kv_heads=attention.num_kv_heads * tp_degree,
+        gqa_head_dim=attention.head_size, mla_dtype=_dtype_name(attention.dtype),
+        tp_degree=tp_degree)
+
+
+def geometry_differences(pool: Config, engine_model: ModelSpec, engine_block_tokens: int,
+                         engine_hash_unit: int) -> list[str]:
+    """Each field where the engine differs from the pool, as `field: engine X, pool Y`."""
+    differences = [f"model.{f.name}: engine {getattr(engine_model, f.name)!r}, pool "
+                   f"{getattr(pool.model, f.name)!r}"
+                   for f in dataclasses.fields(ModelSpec)
+                   if f.name != "name"
+                   and getattr(engine_model, f.name) != getattr(pool.model, f.name)]
+    if engine_block_tokens != pool.cache.page_tokens:
+        differences.append(f"block_size: engine {engine_block_tokens}, pool page_tokens "
+                           f"{pool.cache.page_tokens}")
+    if engine_hash_unit != pool.cache.hash_block_tokens:
+        differences.append(f"prefix_match_unit: engine {engine_hash_unit}, pool "
+                           f"hash_block_tokens {pool.cache.hash_block_tokens}")
+    return differences
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise GeometryMismatch(f"dtype {name} is not one the cache stores ({sorted(DTYPE_BYTES)})")
+    return name

@@ -1,0 +1,155 @@
+"""Bytes between vLLM's KV cache blocks and cachetier's pool pages, one batch per direction.
+
+Both sides are seen through typed, strided views of their own buffers (no copy to make a view):
+
+- vLLM's attention layer, as K and V `[blocks, block_tokens, kv_heads, head_dim]`. The CPU backend
+  stores a block head-major (`[heads, K rows then V rows, head_dim]`, the tensor vLLM hands the
+  connector is `[blocks, heads, block_tokens, 2 x head_dim]`); the CUDA flash-attention layout is
+  `[2, blocks, block_tokens, heads, head_dim]`. The pool's full-attention page is token-major,
+  each token row this rank's heads one after the other, K then V (`gpu_pool.layout`).
+- vLLM's GDN layer, one raw block per state: the conv part first (`[kernel - 1, channels]`, vLLM's
+  default "SD" conv layout), then the recurrent part (`[heads, V, K]`), as its hybrid allocator
+  packs them. The pool's state page has the same order, conv rows channel-major (`[channels,
+  kernel - 1]`), so the conv part is transposed on the way and the recurrent part is copied as is.
+
+A batch gathers every token row (and every state) of a step's jobs into index tensors, then moves
+each layer with one indexed copy per part: a step costs a fixed number of tensor operations per
+layer whatever its requests. This is the torch path, on whatever device both buffers are; the
+project's Triton page-copy kernel moves byte ranges between pages of one layout and does not do
+these transposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cachetier.config import ModelSpec
+from gpu_pool.layout import PageLayout, torch_dtype
+
+
+@dataclass(frozen=True)
+class AttentionViews:
+    keys: torch.Tensor  # [blocks or pages, tokens, heads, head_dim]
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StateViews:
+    conv: torch.Tensor  # engine: [blocks, kernel - 1, channels]; pool: [pages, channels, kernel - 1]
+    recurrent: torch.Tensor  # [blocks or pages, heads, V, K]
+
+
+def engine_attention_views(kv: torch.Tensor, block_tokens: int, model: ModelSpec) -> AttentionViews:
+    heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
+    if kv.dim() == 4 and kv.shape[1:] == (heads, block_tokens, 2 * dim):  # CPU: head-major
+        split = kv.view(kv.shape[0], heads, 2, block_tokens, dim).permute(0, 3, 1, 2, 4)
+        return AttentionViews(split[:, :, :, 0], split[:, :, :, 1])
+    if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[2:] == (block_tokens, heads, dim):
+        return AttentionViews(kv[0], kv[1])  # flash attention (unverified: no GPU here)
+    raise ValueError(f"unknown vLLM attention KV layout {tuple(kv.shape)} for {heads} heads of "
+                     f"{dim} and {block_tokens}-token blocks")
+
+
+def engine_state_views(raw: torch.Tensor, model: ModelSpec) -> StateViews:
+    """`raw` is one GDN layer's cache as vLLM registers it: `[blocks, ...]` bytes, one block per
+    state (the state packed at its start, the block padded to the unified page)."""
+    conv_bytes, recurrent_bytes = model.kda_rank_conv_bytes, model.kda_rank_recurrent_bytes
+    flat = raw.view(torch.uint8) if raw.dtype != torch.uint8 else raw
+    blocks = flat.as_strided((flat.shape[0], conv_bytes + recurrent_bytes), (flat.stride(0), 1))
+    conv = blocks[:, :conv_bytes].view(torch_dtype(model.conv_dtype)).view(
+        blocks.shape[0], model.conv_kernel - 1, model.conv_rank_channels)
+    recurrent = blocks[:, conv_bytes:].view(torch_dtype(model.kda_state_dtype)).view(
+        blocks.shape[0], model.heads_per_rank, model.kda_head_v_dim, model.kda_head_k_dim)
+    return StateViews(conv, recurrent)
+
+
+def pool_attention_views(buffer: torch.Tensor, layout: PageLayout, slot: int) -> AttentionViews:
+    model = layout.model
+    heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
+    raw = buffer[slot, :, :layout.geometry.mla_page_bytes].view(layout.mla_dtype)
+    split = raw.view(layout.num_pages, layout.cache.page_tokens, heads, 2, dim)
+    return AttentionViews(split[:, :, :, 0], split[:, :, :, 1])
+
+
+def pool_state_views(buffer: torch.Tensor, layout: PageLayout, slot: int) -> StateViews:
+    model = layout.model
+    conv_bytes = model.kda_rank_conv_bytes
+    conv = buffer[slot, :, :conv_bytes].view(layout.conv_dtype).view(
+        layout.num_pages, model.conv_rank_channels, model.conv_kernel - 1)
+    recurrent = buffer[slot, :, conv_bytes:conv_bytes + model.kda_rank_recurrent_bytes].view(
+        layout.kda_dtype).view(layout.num_pages, model.heads_per_rank, model.kda_head_v_dim,
+                               model.kda_head_k_dim)
+    return StateViews(conv, recurrent)
+
+
+@dataclass
+class TokenRows:
+    """Token rows to move: row `i` is token row `block_rows[i]` of vLLM block `blocks[i]` and
+    row `page_rows[i]` of pool page `pages[i]`."""
+
+    blocks: list[int]
+    block_rows: list[int]
+    pages: list[int]
+    page_rows: list[int]
+
+    @classmethod
+    def empty(cls) -> TokenRows:
+        return cls([], [], [], [])
+
+    def add(self, start: int, stop: int, block_table: list[int], block_tokens: int,
+            page_table: list[int], page_tokens: int) -> None:
+        """Tokens `[start, stop)` of one request, through its vLLM block table and its pages."""
+        for t in range(start, stop):
+            self.blocks.append(block_table[t // block_tokens])
+            self.block_rows.append(t % block_tokens)
+            self.pages.append(page_table[t // page_tokens])
+            self.page_rows.append(t % page_tokens)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def rows_to_engine(pool: AttentionViews, engine: AttentionViews, rows: TokenRows) -> None:
+    if not len(rows):
+        return
+    device = engine.keys.device
+    pages, page_rows = _index(rows.pages, device), _index(rows.page_rows, device)
+    blocks, block_rows = _index(rows.blocks, device), _index(rows.block_rows, device)
+    engine.keys[blocks, block_rows] = pool.keys[pages, page_rows].to(device)
+    engine.values[blocks, block_rows] = pool.values[pages, page_rows].to(device)
+
+
+def rows_to_pool(engine: AttentionViews, pool: AttentionViews, rows: TokenRows) -> None:
+    if not len(rows):
+        return
+    device = pool.keys.device
+    pages, page_rows = _index(rows.pages, device), _index(rows.page_rows, device)
+    blocks, block_rows = _index(rows.blocks, device), _index(rows.block_rows, device)
+    pool.keys[pages, page_rows] = engine.keys[blocks, block_rows].to(device)
+    pool.values[pages, page_rows] = engine.values[blocks, block_rows].to(device)
+
+
+def states_to_engine(pool: StateViews, engine: StateViews, pages: list[int],
+                     blocks: list[int]) -> None:
+    if not pages:
+        return
+    device = engine.conv.device
+    src, dst = _index(pages, pool.conv.device), _index(blocks, device)
+    engine.conv[dst] = pool.conv[src].transpose(1, 2).to(device)
+    engine.recurrent[dst] = pool.recurrent[src].to(device)
+
+
+def states_to_pool(engine: StateViews, pool: StateViews, blocks: list[int],
+                   pages: list[int]) -> None:
+    if not blocks:
+        return
+    device = pool.conv.device
+    src, dst = _index(blocks, engine.conv.device), _index(pages, device)
+    pool.conv[dst] = engine.conv[src].transpose(1, 2).to(device)
+    pool.recurrent[dst] = engine.recurrent[src].to(device)

@@ -1,0 +1,194 @@
+"""The connector in vLLM's scheduler: finds hits beyond vLLM's own, pins them, plans the saves.
+
+A request's lookup is one `pin` call to the service (lookup and pin in one script): the
+scheduler never waits for it. The first `get_num_new_matched_tokens` submits it and answers None
+("ask again"); a later step reads the answer. The pin is held under the reader id
+`<engine>/<request>` until vLLM reports the request finished (`request_finished_all_groups`), so
+nothing the worker reads can be evicted or rewritten before vLLM is done with it; a hit no deeper
+than vLLM's local one is released at once.
+
+Saves follow vLLM's align mode: each step, vLLM hands over the exact blocks holding the state
+at every boundary it kept (`kv_connector_block_state.boundary_state_offloads`: its attention
+block ends and each prompt's last hash-unit boundary). Each boundary inside the prompt becomes a
+`SaveJob` for the worker, which writes it after that step's forward pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachetier.config import Config
+from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
+from cachetier.vllm.settings import ConnectorSettings
+from cachetier.vllm.tier_thread import TierThread
+from index.hashing import chain_hashes, hash_len, namespace_root
+from index.prefix import PinnedPrefix
+
+log = logging.getLogger("cachetier.vllm")
+
+
+@dataclass
+class _Tracked:
+    request: Any  # vllm.v1.request.Request
+    hashes: bytes
+    lookup: concurrent.futures.Future[PinnedPrefix] | None = None
+    pinned: PinnedPrefix | None = None
+    load_local_tokens: int | None = None  # set once vLLM allocated blocks for a hit
+    saved_boundary: int = 0
+    report: dict[str, int] = field(default_factory=lambda: {"cachetier_hit_tokens": 0,
+                                                            "cachetier_loaded_tokens": 0,
+                                                            "cachetier_saved_boundaries": 0})
+
+    @property
+    def reader_hit(self) -> int:
+        return self.pinned.hit_tokens if self.pinned is not None else 0
+
+
+class ConnectorScheduler:
+    def __init__(self, settings: ConnectorSettings, config: Config, groups: list[str],
+                 tier: TierThread) -> None:
+        self.settings = settings
+        self.config = config
+        self.block = config.cache.hash_block_tokens
+        self.groups = groups  # "linear" or "full" per vLLM group, in the engine's order
+        self.tier = tier
+        self._tracked: dict[str, _Tracked] = {}
+        self._roots: dict[tuple[str, str], bytes] = {}
+        self.lookups = 0
+        self.lookup_failures = 0
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = self._track(request)
+        if tracked.lookup is not None and tracked.pinned is None:
+            if not tracked.lookup.done():
+                return None, False
+            try:
+                tracked.pinned = tracked.lookup.result()
+            except Exception as exc:  # the tier is away: a miss, never an engine failure
+                self.lookup_failures += 1
+                log.warning("cachetier lookup for %s failed: %s", request.request_id, exc)
+                tracked.pinned = PinnedPrefix(self._reader(request.request_id), -1, 0, [], [])
+        if tracked.lookup is None:
+            return 0, False
+        hit = tracked.reader_hit
+        if hit <= num_computed_tokens:
+            self._release(tracked)
+            return 0, False
+        return hit - num_computed_tokens, False
+
+    def _track(self, request: Any) -> _Tracked:
+        tokens = list(request.all_token_ids)
+        hashes = chain_hashes(tokens, self._root(request), self.block, self.config.cache.hash_algo)
+        tracked = _Tracked(request, hashes)
+        self._tracked[request.request_id] = tracked
+        if len(tokens) > self.block:  # a hit leaves a token to compute: needs two blocks at least
+            reader = self._reader(request.request_id)
+            self.lookups += 1
+            tracked.lookup = self.tier.submit(
+                lambda c: c.pin(self.settings.pool, reader, len(tokens), hashes))
+        return tracked
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or tracked.pinned is None:
+            return
+        if num_external_tokens > 0:
+            tracked.load_local_tokens = tracked.reader_hit - num_external_tokens
+            tracked.report["cachetier_hit_tokens"] = tracked.reader_hit
+            tracked.report["cachetier_loaded_tokens"] = num_external_tokens
+        else:
+            self._release(tracked)
+
+    # -- each step -------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> CacheTierMetadata:
+        meta = CacheTierMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None or tracked.load_local_tokens is None or tracked.pinned is None:
+                continue
+            pinned = tracked.pinned
+            meta.loads.append(LoadJob(new.req_id, pinned.hit_tokens, tracked.load_local_tokens,
+                                      pinned.epoch, pinned.mla_pages, pinned.checkpoint_pages,
+                                      tuple(list(ids) for ids in new.block_ids)))
+            tracked.load_local_tokens = None
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is not None and block_state.boundary_state_offloads:
+            meta.saves.extend(self._saves(block_state))
+        return meta
+
+    def _saves(self, block_state: Any) -> list[SaveJob]:
+        linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
+        width = hash_len(self.config.cache.hash_algo)
+        jobs = []
+        for rid, entries in block_state.boundary_state_offloads.items():
+            tracked = self._tracked.get(rid)
+            block_ids = block_state.get_block_ids(rid)
+            if tracked is None or block_ids is None:
+                continue
+            prompt = tracked.request.num_prompt_tokens
+            by_boundary: dict[int, dict[int, int]] = defaultdict(dict)
+            for group, block, boundary in entries:
+                by_boundary[boundary][group] = block
+            for boundary in sorted(by_boundary):
+                states = by_boundary[boundary]
+                if (boundary % self.block or boundary > prompt or boundary <= tracked.saved_boundary
+                        or any(g not in states for g in linear)):
+                    continue
+                blocks = boundary // self.block
+                jobs.append(SaveJob(rid, boundary, prompt, tracked.hashes[:blocks * width],
+                                    [states[g] for g in linear],
+                                    tuple(list(ids) for ids in block_ids)))
+                tracked.saved_boundary = boundary
+                tracked.report["cachetier_saved_boundaries"] += 1
+        return jobs
+
+    # -- the end of a request --------------------------------------------------------------------
+
+    def request_finished(self, request: Any) -> dict[str, int] | None:
+        """Unpins the request's hit; returns what the connector did for it, which vLLM hands
+        back in `RequestOutput.kv_transfer_params` (the hit it loaded, the boundaries saved)."""
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:
+            return None
+        self._release(tracked)
+        return tracked.report
+
+    def _release(self, tracked: _Tracked) -> None:
+        """Unpin now, in the background (releasing an unknown reader is harmless)."""
+        if tracked.lookup is None or tracked.pinned is None or tracked.pinned.hit_tokens == 0:
+            return
+        reader = self._reader(tracked.request.request_id)
+        tracked.pinned = PinnedPrefix(reader, tracked.pinned.epoch, 0, [], [])
+        future = self.tier.submit(lambda c: c.release(self.settings.pool, [reader]))
+        future.add_done_callback(_log_failure(f"release of {reader}"))
+
+    # -- namespaces ------------------------------------------------------------------------------
+
+    def _root(self, request: Any) -> bytes:
+        salt = getattr(request, "cache_salt", None) or ""
+        lora = getattr(request, "lora_request", None)
+        adapter = lora.lora_name if lora is not None else ""
+        key = (salt, adapter)
+        if key not in self._roots:
+            self._roots[key] = namespace_root(self.settings.model_id, salt, adapter,
+                                              self.config.cache.hash_algo)
+        return self._roots[key]
+
+    def _reader(self, rid: str) -> str:
+        return f"{self.settings.engine_id}/{rid}"
+
+
+def _log_failure(what: str) -> Any:
+    def report(future: concurrent.futures.Future[Any]) -> None:
+        if future.exception() is not None:
+            log.warning("cachetier %s failed: %s", what, future.exception())
+    return report

@@ -1,0 +1,55 @@
+"""`kv_connector_extra_config`: where the tier is and which pool this engine uses.
+
+`cachetier up --vllm-model` writes these keys into its info file's `kv_transfer_config`, so a user
+passes them unchanged; a missing key or a value of the wrong type is refused at engine start with
+the key's name, never guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cachetier.engine.checkpoint_placement import PLACEMENTS
+
+
+class ConnectorConfigError(ValueError):
+    """A `kv_connector_extra_config` key is missing or invalid."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    service: str  # the service URL, e.g. tcp://127.0.0.1:7400
+    token: str
+    pool: str
+    handle_file: str  # where the pool's agent (TP rank 0) publishes its PoolHandle
+    model_id: str  # `geometry.model_fingerprint` of the model the pool serves
+    placement: str = "ladder"  # which of vLLM's boundary states become kept checkpoints
+    engine_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
+    timeout_s: float = 30.0
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = f.name
+            if key not in extra:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ConnectorConfigError(f"kv_connector_extra_config.{key} is missing")
+                continue
+            value = extra.pop(key)
+            wanted = float if key == "timeout_s" else str
+            if not isinstance(value, (int, float) if wanted is float else str):
+                raise ConnectorConfigError(f"kv_connector_extra_config.{key}: expected "
+                                           f"{wanted.__name__}, got {value!r}")
+            values[key] = wanted(value)
+        if extra:
+            raise ConnectorConfigError(f"kv_connector_extra_config: unknown keys {sorted(extra)}")
+        settings = cls(**values)
+        if settings.placement not in PLACEMENTS:
+            raise ConnectorConfigError(f"kv_connector_extra_config.placement: unknown "
+                                       f"{settings.placement!r}; expected one of {sorted(PLACEMENTS)}")
+        return settings

@@ -1,0 +1,45 @@
+"""A tiny Qwen3-Next (Gated DeltaNet + GQA) with random weights, written where vLLM loads it offline.
+
+The oracle of the connector's tests and of `bench vllm` needs a real hybrid model that vLLM serves
+on this machine's CPU without the hub: 3 GDN layers and 1 full-attention layer, hidden 128, GDN
+heads of 128 (the CPU kernel supports no smaller one), 2 KV heads of 32. The default init gives
+near-constant outputs, which would make the output comparison blind, so every weight is redrawn
+from `N(0, std)` with a fixed seed: the same seed writes the same model, greedy outputs differ from
+token to token, and any corrupted state byte shows in the logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TINY_ARCH = {
+    "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "intermediate_size": 256, "max_position_embeddings": 65536, "tie_word_embeddings": False,
+}
+
+
+def write_tiny_qwen3_next(path: str | Path, *, seed: int = 0, std: float = 0.07) -> Path:
+    """Write the model to `path` (config.json + safetensors), unless the same seed is there."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    stamp = path / "cachetier-tiny.json"
+    wanted = {"seed": seed, "std": std, **TINY_ARCH}
+    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
+        return path
+    generator = torch.Generator().manual_seed(seed)
+    config = Qwen3NextConfig(**TINY_ARCH, torch_dtype="bfloat16")
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    model.to(torch.bfloat16).save_pretrained(path)
+    stamp.write_text(json.dumps(wanted))
+    return path

@@ -1,0 +1,230 @@
+"""The connector in a vLLM worker: copies between the pool and the KV cache, saves what was computed.
+
+The worker maps the pool of its device in place (the agent's `PoolHandle`, published in a file),
+so a load is a copy from the pool's pages into vLLM's blocks and a save the reverse, with no
+network transfer of bytes. Only metadata crosses the network: a save is one plan for every job of
+the step (fresh pages for what the pool lacks, with the usual pins), the copies, one commit, its
+confirm and one release; a load checks the pool epoch it pinned in is still the pool's after its
+copies, so a hit made void while it was read (an agent lost, the pool invalidated) is reported to
+vLLM as failed blocks, which it recomputes, instead of serving bytes nobody vouches for.
+
+The agent's handle file is re-read when it changes (a restarted agent holds a new segment); a
+save planned across such a change is abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachetier.config import Config
+from cachetier.engine.checkpoint_placement import PLACEMENTS
+from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
+from cachetier.vllm.kv_copy import (AttentionViews, StateViews, TokenRows, engine_attention_views,
+                                    engine_state_views, pool_attention_views, pool_state_views,
+                                    rows_to_engine, rows_to_pool, states_to_engine,
+                                    states_to_pool)
+from cachetier.vllm.settings import ConnectorSettings
+from cachetier.vllm.tier_thread import TierThread
+from gpu_pool import PagedPool, PoolHandle
+from index.records import CommitItem, RequestPlan, StepPlan, StepRequest
+
+log = logging.getLogger("cachetier.vllm")
+
+
+@dataclass
+class _PoolMapping:
+    pool: PagedPool
+    identity: tuple[int, int]  # the handle file's (inode, mtime_ns) when it was read
+    attention: list[list[AttentionViews]]  # [attention group][layer slot]
+    state: list[list[StateViews]]  # [linear group][layer slot]
+
+
+def read_handle(path: str) -> tuple[PoolHandle, tuple[int, int]]:
+    stat = os.stat(path)
+    return pickle.loads(Path(path).read_bytes()), (stat.st_ino, stat.st_mtime_ns)
+
+
+class ConnectorWorker:
+    def __init__(self, settings: ConnectorSettings, config: Config, groups: list[str],
+                 layer_names: list[list[str]], tier: TierThread) -> None:
+        self.settings = settings
+        self.config = config
+        self.groups = groups
+        self.layer_names = layer_names
+        self.tier = tier
+        self.placement = PLACEMENTS[settings.placement]
+        self.block_tokens = config.cache.page_tokens  # vLLM's block (the alignment rule)
+        self._engine_attention: dict[int, list[AttentionViews]] = {}
+        self._engine_state: dict[int, list[StateViews]] = {}
+        self._mapping: _PoolMapping | None = None
+        self._load_errors: set[int] = set()
+        self.loaded_tokens = 0
+        self.saved_tokens = 0
+        self.failed_loads = 0
+        self.failed_saves = 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        model = self.config.model
+        for g, (kind, names) in enumerate(zip(self.groups, self.layer_names)):
+            tensors = [kv_caches[name] for name in names]
+            if kind == "full":
+                self._engine_attention[g] = [engine_attention_views(t, self.block_tokens, model)
+                                             for t in tensors]
+            else:
+                self._engine_state[g] = [engine_state_views(t, model) for t in tensors]
+        self._map_pool()
+
+    # -- the pool ----------------------------------------------------------------------------------
+
+    def _map_pool(self) -> _PoolMapping:
+        """The current agent's pool, mapped again when its handle file changed."""
+        path = self.settings.handle_file
+        stat = os.stat(path)
+        identity = (stat.st_ino, stat.st_mtime_ns)
+        if self._mapping is not None and self._mapping.identity == identity:
+            return self._mapping
+        handle, identity = read_handle(path)
+        if (handle.model, handle.cache) != (self.config.model, self.config.cache):
+            raise RuntimeError(f"{path}: the agent's pool geometry is not the one the service "
+                               "gave this connector")
+        pool = PagedPool.attach(handle)
+        layout = pool.layout
+        slots = range(self.config.model.layers_per_group)
+        attention_groups = [g for g, kind in enumerate(self.groups) if kind == "full"]
+        linear_groups = [g for g, kind in enumerate(self.groups) if kind == "linear"]
+        self._mapping = _PoolMapping(
+            pool, identity,
+            [[pool_attention_views(pool.buffer, layout, s) for s in slots]
+             for _ in attention_groups],
+            [[pool_state_views(pool.buffer, layout, s) for s in slots] for _ in linear_groups])
+        return self._mapping
+
+    def _pool_epoch(self) -> int:
+        stats = self.tier.call(lambda c: c.stats(self.settings.pool), self.settings.timeout_s)
+        return stats.epoch
+
+    # -- loads: before the forward pass -----------------------------------------------------------
+
+    def start_load(self, meta: CacheTierMetadata) -> None:
+        if not meta.loads:
+            return
+        try:
+            mapping = self._map_pool()
+            epoch = self._pool_epoch()
+            jobs = [job for job in meta.loads if job.epoch == epoch]
+            self._fail(job for job in meta.loads if job.epoch != epoch)
+            self._copy_loads(mapping, jobs)
+            if jobs and self._pool_epoch() != epoch:  # voided while we read: vouch for nothing
+                self._fail(jobs)
+                return
+        except Exception as exc:
+            log.warning("cachetier load failed, vLLM recomputes: %s", exc)
+            self._fail(meta.loads)
+            return
+        self.loaded_tokens += sum(job.hit_tokens - job.local_tokens for job in jobs)
+
+    def _copy_loads(self, mapping: _PoolMapping, jobs: Sequence[LoadJob]) -> None:
+        page_tokens, block_tokens = self.config.cache.page_tokens, self.block_tokens
+        attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
+        linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
+        for a, g in enumerate(attention):
+            rows = TokenRows.empty()
+            for job in jobs:
+                rows.add(job.local_tokens, job.hit_tokens, job.block_ids[g], block_tokens,
+                         job.mla_pages[a], page_tokens)
+            for pool_view, engine_view in zip(mapping.attention[a], self._engine_attention[g]):
+                rows_to_engine(pool_view, engine_view, rows)
+        for s, g in enumerate(linear):
+            pages = [job.checkpoint_pages[s] for job in jobs]
+            blocks = [job.block_ids[g][(job.hit_tokens - 1) // block_tokens] for job in jobs]
+            for pool_view, engine_view in zip(mapping.state[s], self._engine_state[g]):
+                states_to_engine(pool_view, engine_view, pages, blocks)
+
+    def _fail(self, jobs: Any) -> None:
+        """Every block a failed load was to fill: vLLM recomputes from the first of them."""
+        for job in jobs:
+            self.failed_loads += 1
+            first = job.local_tokens // self.block_tokens
+            last = (job.hit_tokens - 1) // self.block_tokens
+            for g, ids in enumerate(job.block_ids):
+                wanted = ids[first:last + 1] if self.groups[g] == "full" else ids[last:last + 1]
+                self._load_errors.update(ids_ for ids_ in wanted if ids_ >= 0)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves: after the forward pass ------------------------------------------------------------
+
+    def save(self, meta: CacheTierMetadata) -> None:
+        if not meta.saves:
+            return
+        rids = [f"{self.settings.engine_id}/{job.rid}@{job.boundary}" for job in meta.saves]
+        pool = self.settings.pool
+        try:
+            mapping = self._map_pool()
+            requests = [StepRequest(rid, job.boundary, job.boundary, job.hashes)
+                        for rid, job in zip(rids, meta.saves)]
+            plan = self.tier.call(lambda c: c.plan(pool, requests), self.settings.timeout_s)
+            if not isinstance(plan, StepPlan):
+                log.info("cachetier save skipped: %s", plan.reason)
+                self.failed_saves += len(meta.saves)
+                return
+            if self._map_pool() is not mapping:
+                raise RuntimeError("the agent changed during the save")
+            planned = {p.rid: p for p in plan.requests}
+            pairs = [(job, planned[rid]) for rid, job in zip(rids, meta.saves)]
+            self._copy_saves(mapping, pairs)
+            items = [self._commit_item(job, p) for job, p in pairs]
+            self.tier.call(lambda c: _commit(c, pool, items), self.settings.timeout_s)
+            self.saved_tokens += sum(p.stop - p.start for _, p in pairs)
+        except Exception as exc:
+            self.failed_saves += len(meta.saves)
+            log.warning("cachetier save failed (the prefix stays uncached): %s", exc)
+        finally:
+            release = self.tier.submit(lambda c: c.release(pool, rids))
+            release.add_done_callback(lambda f: f.exception())
+
+    def _copy_saves(self, mapping: _PoolMapping, pairs: Sequence[tuple[SaveJob, RequestPlan]]) -> None:
+        page_tokens, block_tokens = self.config.cache.page_tokens, self.block_tokens
+        attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
+        linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
+        for a, g in enumerate(attention):
+            rows = TokenRows.empty()
+            for job, plan in pairs:
+                rows.add(plan.start, plan.stop, job.block_ids[g], block_tokens,
+                         plan.mla_pages[a], page_tokens)
+            for engine_view, pool_view in zip(self._engine_attention[g], mapping.attention[a]):
+                rows_to_pool(engine_view, pool_view, rows)
+        with_state = [(job, plan) for job, plan in pairs
+                      if plan.checkpoint_pages and plan.checkpoint_tokens == job.boundary]
+        for s, g in enumerate(linear):
+            blocks = [job.state_blocks[s] for job, _ in with_state]
+            pages = [plan.checkpoint_pages[s] for _, plan in with_state]
+            for engine_view, pool_view in zip(self._engine_state[g], mapping.state[s]):
+                states_to_pool(engine_view, pool_view, blocks, pages)
+        if mapping.pool.buffer.is_cuda:
+            torch.cuda.current_stream(mapping.pool.buffer.device).synchronize()
+
+    def _commit_item(self, job: SaveJob, plan: RequestPlan) -> CommitItem:
+        if not plan.checkpoint_pages or plan.checkpoint_tokens != job.boundary:
+            return CommitItem(plan.rid, plan.stop)
+        kind = self.placement.checkpoint_kind(plan, job.prompt_tokens,
+                                              self.config.cache.hash_block_tokens,
+                                              self.config.cache.page_tokens)
+        if kind is None:
+            return CommitItem(plan.rid, plan.stop)
+        return CommitItem(plan.rid, plan.stop, plan.checkpoint_tokens, kind=kind)
+
+
+async def _commit(client: Any, pool: str, items: list[CommitItem]) -> None:
+    committed = await client.commit(pool, items)
+    await client.confirm(pool, committed.ticket)
