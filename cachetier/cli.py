@@ -1,11 +1,12 @@
-"""The `cachetier` command: config, servers, the local cluster, demo, replay, traces, benchmarks.
+"""The `cachetier` command: config, servers, the local cluster, demo, replay, traces, benchmarks,
+vLLM-format events.
 
 Bench modules (`cachetier.bench.<name>`) are imported only when their command runs, so `config show`
 stays fast and the CLI keeps working while a benchmark is missing or broken. A bench module provides
 `add_arguments(parser)` (its own flags; it may call `add_config_arguments`) and `run(args) -> dict`,
-sync or async; the CLI owns `--json` and the printing of the result's `cases`. `serve` and
-`agent` (and their torch/Redis imports) are likewise imported only when they run; both stop
-cleanly on SIGTERM or SIGINT.
+sync or async; the CLI owns `--json` and the printing of the result's `cases`. `serve`, `agent`
+and `events vllm` (and their torch, Redis and vLLM imports) are likewise imported only when they
+run; all three stop cleanly on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from cachetier.config import (PRESETS, ConfigError, add_config_arguments, config
 from cachetier.wire.framing import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
+    from cachetier.events.vllm_bridge import VllmEventBridge
     from cachetier.run.cluster import ClusterSettings
 
 BENCHES = ("lookup", "restore", "service", "transfer")
@@ -448,6 +450,40 @@ def _add_trace_parser(commands: Any) -> None:
     synth.set_defaults(handler=_trace_synth)
 
 
+def _events_vllm(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.events.vllm_bridge import run_bridge
+    from cachetier.events.vllm_events import VllmEventMapping
+    mapping = VllmEventMapping.for_model(config_from_args(args).model)
+    return _run_until_signal(run_bridge(args.mqtt, args.pool, args.endpoint, args.replay_endpoint,
+                                        mapping=mapping, ready=_announce_bridge), args.log_level)
+
+
+def _announce_bridge(bridge: VllmEventBridge) -> None:
+    """The line the tests wait for: the sockets are up and the broker has the subscription."""
+    config = bridge.config
+    replay = f", replay on {config.replay_endpoint}" if config.replay_endpoint else ""
+    print(f"cachetier events vllm: pool {bridge.settings.pool} of {bridge.settings.mqtt_url} "
+          f"published on {config.endpoint}{replay}", flush=True)
+
+
+def _add_events_parser(commands: Any) -> None:
+    events = commands.add_parser("events", help="cache events in other formats")
+    actions = events.add_subparsers(dest="action", required=True, metavar="ACTION")
+    vllm = actions.add_parser("vllm", help="republish cache events as vLLM KV events over ZeroMQ, "
+                                           "until Ctrl-C")
+    vllm.add_argument("--mqtt", required=True, metavar="URL", help="mqtt://HOST:PORT of the broker")
+    vllm.add_argument("--pool", default="+", help="the pool to follow (default: every pool, in "
+                                                  "one stream)")
+    vllm.add_argument("--endpoint", required=True, metavar="URL",
+                      help="vLLM's PUB endpoint: tcp://*:PORT binds, tcp://HOST:PORT connects to "
+                           "a subscriber that binds")
+    vllm.add_argument("--replay-endpoint", metavar="URL",
+                      help="where vLLM's ROUTER socket binds for replay requests")
+    vllm.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    add_config_arguments(vllm)  # the model: which vLLM spec kind the full-attention group is
+    vllm.set_defaults(handler=_events_vllm)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command tree; bench flags are parsed later, by the bench module's own parser."""
     parser = argparse.ArgumentParser(prog="cachetier", description=__doc__.splitlines()[0])
@@ -469,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(commands)
     _add_replay_parser(commands)
     _add_trace_parser(commands)
+    _add_events_parser(commands)
     return parser
 
 
