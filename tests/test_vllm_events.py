@@ -1,6 +1,6 @@
-"""cachetier's cache events as vLLM KV events: the mapping on its own, then the bridge between a real
-mosquitto (the service publishing its commits) and real ZeroMQ sockets, decoded with vLLM's own
-decoder the way vLLM's example subscriber does (`msgspec.msgpack.Decoder(KVEventBatch)`).
+"""cachetier's cache events as vLLM KV events: the mapping on its own, then the bridge between a
+real mosquitto (the service publishing its commits) and real ZeroMQ sockets, decoded with vLLM's
+own decoder the way vLLM's example subscriber does (`msgspec.msgpack.Decoder(KVEventBatch)`).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class VllmConsumer:
 
 @contextlib.contextmanager
 def consumer(endpoint: str, replay_endpoint: str, *, bind: bool = False) -> Iterator[VllmConsumer]:
-    """`bind`: the subscriber binds `endpoint`, for a publisher that connects (`tcp://HOST:PORT`)."""
+    """`bind`: the subscriber binds `endpoint`, for a publisher that connects (tcp://HOST:PORT)."""
     ctx = zmq.asyncio.Context()
     try:
         sub = ctx.socket(zmq.SUB)

@@ -15,8 +15,9 @@ field:
 - `block_size`: the pool's hash block (tokens per hash), as the cachetier event says.
 - `lora_id`, `lora_name`, `extra_keys`: None. cachetier folds the namespace (model, tenant salt,
   adapter) into the chain's root hash, so the hashes already differ per adapter.
-- `medium`: `MEDIUM_GPU`: a pool's pages are the agents' device memory (a CPU agent is a test
-  setup); `ownership`: `cachetier/<pool>`, vLLM's field for the secondary tier an event comes
+- `medium`: `MEDIUM_GPU`: a pool's pages are the agents' device memory (CPU agents, as in the
+  tests and `cachetier up`, are reported as GPU all the same: `VllmEventMapping.medium` says
+  otherwise); `ownership`: `cachetier/<pool>`, vLLM's field for the secondary tier an event comes
   from, which also tells the pools of one stream apart; `locality`: None (unspecified): the
   publisher is this converter, not an engine, so "local to the publisher" has no answer.
 - Groups: cachetier stores and evicts a page set whole, every group of a kind at once, so the
