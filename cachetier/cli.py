@@ -265,28 +265,13 @@ def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
 
 
 def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
-    """The pool sized for the model's vLLM layout (`cachetier.vllm.geometry`), then `--set`."""
-    from cachetier.config import override_arguments
-    from cachetier.run.cluster import ClusterSettings
-    from cachetier.vllm.geometry import GeometryMismatch, config_for_model
-    agents = 1 if args.agents is None else args.agents
-    if agents != 1:
-        raise ConfigError("--agents", "the vLLM connector serves engines of tensor-parallel "
-                                      f"size 1: one agent, got {agents}")
+    from cachetier.run.vllm_cluster import vllm_cluster_settings
     if args.info is None:
         raise ConfigError("--info", "where to write the engines' settings: required with "
                                     "--vllm-model")
-    try:
-        config = config_for_model(args.vllm_model, num_pages=args.pool_pages)
-    except (GeometryMismatch, ConfigError, OSError) as exc:
-        raise ConfigError("--vllm-model", str(exc)) from None
-    serve_config = override_arguments(config) + [f"--set={k}={v}" for k, v in args.overrides]
-    config = load_config(overrides=dict(flag.removeprefix("--set=").split("=", 1)
-                                        for flag in serve_config))  # the user's --set on top
-    run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    return ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
-                           config=config, serve_config_args=tuple(serve_config), agents=agents,
-                           port=args.port)
+    return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir, token=args.token,
+                                 port=args.port, agents=1 if args.agents is None else args.agents,
+                                 pool_pages=args.pool_pages, overrides=args.overrides)
 
 
 def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:

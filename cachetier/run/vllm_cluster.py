@@ -7,10 +7,37 @@ until SIGINT or SIGTERM, then removes the info file and stops everything in orde
 
 from __future__ import annotations
 
+import secrets
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from cachetier.config import ConfigError, load_config, override_arguments
 from cachetier.run.cluster import POOL, Cluster, ClusterSettings, _watch, say, up
+from cachetier.vllm.geometry import GeometryMismatch, config_for_model
 from cachetier.vllm.info import connector_info, write_info
+
+
+def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
+                          token: str | None = None, port: int = 7400, agents: int = 1,
+                          pool_pages: int = 1024,
+                          overrides: Sequence[tuple[str, str]] = ()) -> ClusterSettings:
+    """The cluster whose pool is sized for `model_dir`'s vLLM layout
+    (`cachetier.vllm.geometry.config_for_model`), `overrides` (`--set` pairs) on top."""
+    if agents != 1:
+        raise ConfigError("--agents", "the vLLM connector serves engines of tensor-parallel "
+                                      f"size 1: one agent, got {agents}")
+    try:
+        config = config_for_model(model_dir, num_pages=pool_pages)
+    except (GeometryMismatch, ConfigError, OSError) as exc:
+        raise ConfigError("--vllm-model", str(exc)) from None
+    serve_config = override_arguments(config) + [f"--set={k}={v}" for k, v in overrides]
+    config = load_config(overrides=dict(flag.removeprefix("--set=").split("=", 1)
+                                        for flag in serve_config))
+    run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return ClusterSettings(run_dir=run_dir.resolve(), token=token or secrets.token_hex(16),
+                           config=config, serve_config_args=tuple(serve_config), agents=agents,
+                           port=port)
 
 
 def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> int:

@@ -40,10 +40,10 @@ from cachetier.service.observer import ServiceObserver
 from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
-                                     Handoff, HandoffReply, Health, HealthReport, Hello, Plan,
-                                     PlanReply, Pin, PoolStats, Register, Registered, Release, Route,
-                                     RouteReply, Stats, Welcome, ok_frame, op_table, parse_request,
-                                     request_id)
+                                     Handoff, HandoffReply, Health, HealthReport, Hello, Pin,
+                                     Plan, PlanReply, PoolStats, Register, Registered, Release,
+                                     Route, RouteReply, Stats, Welcome, ok_frame, op_table,
+                                     parse_request, request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.lifecycle import RequestLifecycle

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from cachetier.config import Config
 from cachetier.vllm.geometry import (GeometryMismatch, geometry_differences, model_fingerprint,
                                      model_spec_from_vllm)
-from cachetier.vllm.jobs import CacheTierMetadata
+from cachetier.vllm.jobs import CacheTierMetadata, WorkerReport
 from cachetier.vllm.scheduler_side import ConnectorScheduler
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
@@ -34,7 +34,8 @@ log = logging.getLogger("cachetier.vllm")
 
 
 class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = ConnectorSettings.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
@@ -77,6 +78,9 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self._worker.take_report() if self._worker is not None else None
+
     def shutdown(self) -> None:
         self._tier.close()
 
@@ -91,6 +95,12 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, WorkerReport):
+            self._scheduler.add_worker_report(report)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None

@@ -1,15 +1,16 @@
-"""One vLLM engine process serving a scripted workload: the tests' and `bench vllm`'s engine.
+"""vLLM engines as child processes serving steps on request: the tests' and `bench vllm`'s engines.
 
-    python -m cachetier.vllm.engine_run --model DIR --work WORK.json --out OUT.json [--info F]
-
-WORK.json is `{"max_tokens": N, "engine_args": {...}, "steps": [[{"id": .., "prompt": [..]}, ..],
-..]}`: each step is one `generate` call of its requests together (a batch), steps in order. With
-`--info` (a `cachetier up --vllm-model` info file) the engine uses the connector with the info's
+An engine is its own process, as in production: one started after another sees only what the tier
+holds. `EngineProcess` starts `python -m cachetier.vllm.engine_run`, then sends it steps, one JSON
+line each on its stdin (a step is one `generate` call of its requests together: a batch), and reads
+each step's results from a pipe of its own (vLLM's logs go to its stdout and stderr, into a log
+file). With a `cachetier up --vllm-model` info file the engine uses the connector with the info's
 engine arguments; without, it is a cold engine (no connector, prefix caching off): the oracle.
-OUT.json holds, per request, the greedy token ids, the chosen tokens' logprobs and the top 5 per
-position,
-`num_cached_tokens` and the connector's report (`kv_transfer_params`), and each step's seconds.
-vLLM spawns processes, hence the `__main__` guard.
+
+A step's results hold, per request, the greedy token ids, the chosen tokens' logprobs and the top
+`TOP_K` per position (the oracle needs the runner-up where outputs part), `num_cached_tokens`
+and the connector's report (`kv_transfer_params`), and the step's seconds. vLLM spawns processes
+of its own, hence the `__main__` guard.
 """
 
 from __future__ import annotations
@@ -17,14 +18,92 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-TOP_K = 5  # logprobs kept per position: where outputs part, the oracle needs the runner-up
+TOP_K = 5
+ENGINE_START_TIMEOUT_S = 300
 
 
-def run(model: str, work: dict[str, Any], info: dict[str, Any] | None) -> dict[str, Any]:
+class EngineFailed(RuntimeError):
+    """The engine process exited or answered an error; `log` is the tail of its output."""
+
+    def __init__(self, message: str, log: str) -> None:
+        super().__init__(f"{message}\n{log[-4000:]}")
+        self.log = log
+
+
+class EngineProcess:
+    def __init__(self, model: Path, log_file: Path, *, info: Path | None = None,
+                 engine_args: dict[str, Any] | None = None) -> None:
+        self.log_file = log_file
+        read_end, write_end = os.pipe()
+        command = [sys.executable, "-m", "cachetier.vllm.engine_run", "--model", str(model),
+                   "--results-fd", str(write_end),
+                   "--engine-args", json.dumps(engine_args or {})]
+        if info is not None:
+            command += ["--info", str(info)]
+        env = {**os.environ}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        with open(log_file, "wb") as log:
+            self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log,
+                                          stderr=subprocess.STDOUT, pass_fds=(write_end,),
+                                          env=env)
+        os.close(write_end)
+        self._results: IO[str] = os.fdopen(read_end, "r")
+        self.ready_s = self._receive()["ready_s"]
+
+    def send(self, requests: list[dict[str, Any]], max_tokens: int = 8) -> None:
+        """Start one step: `requests` (`{"id", "prompt"}`) generated together."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"requests": requests, "max_tokens": max_tokens})
+                               .encode() + b"\n")
+        self._proc.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        """The results of the step sent last: `{"seconds", "requests": {id: result}}`."""
+        return self._receive()
+
+    def step(self, requests: list[dict[str, Any]], max_tokens: int = 8) -> dict[str, Any]:
+        self.send(requests, max_tokens)
+        return self.receive()
+
+    def close(self) -> None:
+        """End the engine (EOF on its stdin) and wait: the connector's shutdown runs then."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._results.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _receive(self) -> dict[str, Any]:
+        line = self._results.readline()
+        if not line:
+            self._proc.wait(60)
+            raise EngineFailed(f"engine exited with {self._proc.returncode}", self.log())
+        message = json.loads(line)
+        if "error" in message:
+            raise EngineFailed(message["error"], self.log())
+        return message
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+
+def _serve(model: str, info: dict[str, Any] | None, extra_args: dict[str, Any],
+           results: IO[str]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -35,43 +114,53 @@ def run(model: str, work: dict[str, Any], info: dict[str, Any] | None) -> dict[s
         engine_args["kv_transfer_config"] = KVTransferConfig(**info["kv_transfer_config"])
     else:
         engine_args["enable_prefix_caching"] = False
-    engine_args.update(work.get("engine_args", {}))
+    engine_args.update(extra_args)
     started = time.perf_counter()
     llm = LLM(model=model, **engine_args)
-    ready_s = time.perf_counter() - started
-    params = SamplingParams(max_tokens=work["max_tokens"], temperature=0.0, logprobs=TOP_K)
-    results: dict[str, Any] = {}
-    step_seconds = []
-    for step in work["steps"]:
+    _answer(results, {"ready_s": time.perf_counter() - started})
+    for line in sys.stdin:
+        order = json.loads(line)
+        params = SamplingParams(max_tokens=order["max_tokens"], temperature=0.0, logprobs=TOP_K)
         begin = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in step], params,
-                               use_tqdm=False)
-        step_seconds.append(time.perf_counter() - begin)
-        for request, output in zip(step, outputs):
-            completion = output.outputs[0]
-            results[request["id"]] = {
-                "token_ids": list(completion.token_ids),
-                "logprobs": [entry[token].logprob for token, entry in
-                             zip(completion.token_ids, completion.logprobs)],
-                "top": [sorted(((t, lp.logprob) for t, lp in entry.items()),
-                               key=lambda pair: -pair[1]) for entry in completion.logprobs],
-                "prompt_tokens": len(request["prompt"]),
-                "num_cached_tokens": output.num_cached_tokens or 0,
-                "connector": output.kv_transfer_params or {}}
-    return {"ready_s": ready_s, "step_seconds": step_seconds, "requests": results}
+        outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in order["requests"]],
+                               params, use_tqdm=False)
+        seconds = time.perf_counter() - begin
+        _answer(results, {"seconds": seconds,
+                          "requests": {r["id"]: _result(r, o)
+                                       for r, o in zip(order["requests"], outputs)}})
+
+
+def _result(request: dict[str, Any], output: Any) -> dict[str, Any]:
+    completion = output.outputs[0]
+    return {"token_ids": list(completion.token_ids),
+            "logprobs": [entry[token].logprob
+                         for token, entry in zip(completion.token_ids, completion.logprobs)],
+            "top": [sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda p: -p[1])
+                    for entry in completion.logprobs],
+            "prompt_tokens": len(request["prompt"]),
+            "num_cached_tokens": output.num_cached_tokens or 0,
+            "connector": output.kv_transfer_params or {}}
+
+
+def _answer(results: IO[str], message: dict[str, Any]) -> None:
+    results.write(json.dumps(message) + "\n")
+    results.flush()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--work", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--results-fd", type=int, required=True)
+    parser.add_argument("--engine-args", default="{}")
     parser.add_argument("--info", type=Path)
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    results = os.fdopen(args.results_fd, "w")
     info = json.loads(args.info.read_text()) if args.info else None
-    result = run(args.model, json.loads(args.work.read_text()), info)
-    args.out.write_text(json.dumps(result))
+    try:
+        _serve(args.model, info, json.loads(args.engine_args), results)
+    except Exception as exc:
+        _answer(results, {"error": f"{type(exc).__name__}: {exc}"})
+        raise
 
 
 if __name__ == "__main__":

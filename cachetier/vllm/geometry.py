@@ -98,8 +98,9 @@ def model_spec_from_vllm(kv_cache_config: Any, tp_degree: int) -> ModelSpec:
             if isinstance(g.kv_cache_spec, FullAttentionSpec)]
     other = len(kv_cache_config.kv_cache_groups) - len(linear) - len(full)
     if not linear or not full or other:
-        raise GeometryMismatch("the engine's KV cache groups are not GDN state + full attention: "
-                               f"{[type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]}")
+        kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+        raise GeometryMismatch(f"the engine's KV cache groups are not GDN state + full attention: "
+                               f"{kinds}")
     state, attention = linear[0].kv_cache_spec, full[0].kv_cache_spec
     (conv_len, conv_channels), (heads, v_dim, k_dim) = state.shapes
     conv_dtype, state_dtype = (_dtype_name(d) for d in state.dtypes)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+                                                               KVConnectorWorkerMetadata)
 
 
 @dataclass(frozen=True)
@@ -43,3 +44,19 @@ class SaveJob:
 class CacheTierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """What the workers did since their last report, summed over ranks by vLLM (`aggregate`)."""
+
+    restore_ms: float = 0.0
+    save_ms: float = 0.0
+    failed_loads: int = 0
+    failed_saves: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        assert isinstance(other, WorkerReport)
+        return WorkerReport(self.restore_ms + other.restore_ms, self.save_ms + other.save_ms,
+                            self.failed_loads + other.failed_loads,
+                            self.failed_saves + other.failed_saves)

@@ -37,7 +37,7 @@ class AttentionViews:
 
 @dataclass(frozen=True)
 class StateViews:
-    conv: torch.Tensor  # engine: [blocks, kernel - 1, channels]; pool: [pages, channels, kernel - 1]
+    conv: torch.Tensor  # engine [blocks, kernel - 1, channels]; pool [pages, channels, kernel - 1]
     recurrent: torch.Tensor  # [blocks or pages, heads, V, K]
 
 

@@ -16,13 +16,16 @@ block ends and each prompt's last hash-unit boundary). Each boundary inside the 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from cachetier.config import Config
-from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
+from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob, WorkerReport
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
 from index.hashing import chain_hashes, hash_len, namespace_root
@@ -60,10 +63,18 @@ class ConnectorScheduler:
         self._roots: dict[tuple[str, str], bytes] = {}
         self.lookups = 0
         self.lookup_failures = 0
+        self.steps = 0
+        self.busy_s = 0.0  # in this connector's scheduler calls: the cost it adds to each step
+        self.workers = WorkerReport()
 
     # -- lookups ---------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        with self._timed():
+            return self._matched(request, num_computed_tokens)
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             tracked = self._track(request)
@@ -96,7 +107,12 @@ class ConnectorScheduler:
                 lambda c: c.pin(self.settings.pool, reader, len(tokens), hashes))
         return tracked
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        with self._timed():
+            self._allocated(request, num_external_tokens)
+
+    def _allocated(self, request: Any, num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.pinned is None:
             return
@@ -110,6 +126,11 @@ class ConnectorScheduler:
     # -- each step -------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheTierMetadata:
+        self.steps += 1
+        with self._timed():
+            return self._step_meta(scheduler_output)
+
+    def _step_meta(self, scheduler_output: Any) -> CacheTierMetadata:
         meta = CacheTierMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -153,14 +174,37 @@ class ConnectorScheduler:
 
     # -- the end of a request --------------------------------------------------------------------
 
-    def request_finished(self, request: Any) -> dict[str, int] | None:
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
         """Unpins the request's hit; returns what the connector did for it, which vLLM hands
-        back in `RequestOutput.kv_transfer_params` (the hit it loaded, the boundaries saved)."""
-        tracked = self._tracked.pop(request.request_id, None)
-        if tracked is None:
-            return None
-        self._release(tracked)
-        return tracked.report
+        back in `RequestOutput.kv_transfer_params`: the hit it loaded, the boundaries saved,
+        and this engine's connector totals so far (steps, time, failures)."""
+        with self._timed():
+            tracked = self._tracked.pop(request.request_id, None)
+            if tracked is None:
+                return None
+            self._release(tracked)
+        return {**tracked.report, **self.totals()}
+
+    def add_worker_report(self, report: WorkerReport) -> None:
+        self.workers = self.workers.aggregate(report)
+
+    def totals(self) -> dict[str, Any]:
+        return {"cachetier_engine": self.settings.engine_id, "cachetier_steps": self.steps,
+                "cachetier_scheduler_ms": round(1000 * self.busy_s, 3),
+                "cachetier_restore_ms": round(self.workers.restore_ms, 3),
+                "cachetier_save_ms": round(self.workers.save_ms, 3),
+                "cachetier_failed_loads": self.workers.failed_loads,
+                "cachetier_failed_saves": self.workers.failed_saves,
+                "cachetier_lookups": self.lookups,
+                "cachetier_lookup_failures": self.lookup_failures}
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - begin
 
     def _release(self, tracked: _Tracked) -> None:
         """Unpin now, in the background (releasing an unknown reader is harmless)."""

@@ -51,5 +51,6 @@ class ConnectorSettings:
         settings = cls(**values)
         if settings.placement not in PLACEMENTS:
             raise ConnectorConfigError(f"kv_connector_extra_config.placement: unknown "
-                                       f"{settings.placement!r}; expected one of {sorted(PLACEMENTS)}")
+                                       f"{settings.placement!r}; expected one of "
+                                       f"{sorted(PLACEMENTS)}")
         return settings

@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cachetier.client import CacheTierClient
 
@@ -25,15 +25,21 @@ class TierThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name="cachetier-tier",
                                         daemon=True)
         self._thread.start()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self.client: CacheTierClient = self.run(self._make_client(url, token, timeout_s))
 
     @staticmethod
     async def _make_client(url: str, token: str, timeout_s: float) -> CacheTierClient:
         return CacheTierClient(url, token=token, timeout=timeout_s)
 
-    def submit(self, call: Callable[[CacheTierClient], Awaitable[T]]) -> concurrent.futures.Future[T]:
-        """Start `call(client)` on the loop; the future holds its result or its error."""
-        return asyncio.run_coroutine_threadsafe(_as_coroutine(call(self.client)), self._loop)
+    def submit(self,
+               call: Callable[[CacheTierClient], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Start `call(client)` on the loop; the future holds its result or its error. Calls still
+        running when the connector shuts down are waited for (`close`): a release is never lost."""
+        future = asyncio.run_coroutine_threadsafe(_as_coroutine(call(self.client)), self._loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     def call(self, call: Callable[[CacheTierClient], Awaitable[T]],
              timeout_s: float | None = None) -> T:
@@ -43,9 +49,10 @@ class TierThread:
     def run(self, coroutine: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(_as_coroutine(coroutine), self._loop).result()
 
-    def close(self) -> None:
+    def close(self, drain_s: float = 10.0) -> None:
         if not self._loop.is_running():
             return
+        concurrent.futures.wait(list(self._pending), timeout=drain_s)
         try:
             self.run(self.client.close())
         finally:

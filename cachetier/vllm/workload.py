@@ -1,0 +1,97 @@
+"""An agentic multi-turn workload for several engines behind round-robin routing.
+
+Sessions start from one of a few shared system prompts; each turn's prompt is the previous
+prompt, the assistant's answer (synthetic tokens: the workload must not depend on what a random
+model says) and a new user message. Some sessions fork from another session's turn (a retry or a
+parallel tool call): their first prompt is that turn's prompt plus a new message. Requests are
+sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin over the
+engines in a global order that puts a session's successive turns on different engines; each
+engine gets its share of a round as one batch.
+
+`oracle_hit_tokens` is the ideal reuse at the tier's hash-block granularity: every request reuses
+its longest prefix shared with any request of an earlier round, at the deepest hash-block
+boundary that leaves a token to compute.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    engines: int = 2
+    sessions: int = 5
+    forks: int = 2
+    turns: int = 4
+    systems: int = 2
+    system_tokens: int = 2350
+    user_tokens: tuple[int, int] = (150, 500)
+    answer_tokens: int = 64
+    vocab: int = 512
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    rid: str
+    prompt: list[int]
+    round: int
+    engine: int
+
+
+def build(spec: WorkloadSpec) -> list[list[Request]]:
+    """The rounds, each a list of requests (with their engine), in routing order."""
+    rng = random.Random(spec.seed)
+
+    def draw(count: int) -> list[int]:
+        return [rng.randrange(spec.vocab) for _ in range(count)]
+
+    def message() -> list[int]:
+        return draw(rng.randint(*spec.user_tokens))
+
+    systems = [draw(spec.system_tokens + 97 * i) for i in range(spec.systems)]
+    sessions = [[systems[i % spec.systems] + message()] for i in range(spec.sessions)]
+    for prompts in sessions:
+        for _ in range(1, spec.turns):
+            prompts.append(prompts[-1] + draw(spec.answer_tokens) + message())
+    for f in range(spec.forks):  # another answer to a session's first turn, one round later
+        fork = [sessions[f % spec.sessions][0] + draw(spec.answer_tokens) + message()]
+        for _ in range(2, spec.turns):
+            fork.append(fork[-1] + draw(spec.answer_tokens) + message())
+        sessions.append(fork)
+    rounds: list[list[Request]] = []
+    order = 0
+    for turn in range(spec.turns):
+        batch = []
+        for s, prompts in enumerate(sessions):
+            forked = s >= spec.sessions
+            index = turn - 1 if forked else turn  # a fork starts one round after its parent
+            if 0 <= index < len(prompts):
+                batch.append(Request(f"s{s}-t{turn}", prompts[index], turn, order % spec.engines))
+                order += 1
+        rounds.append(batch)
+    return rounds
+
+
+def oracle_hit_tokens(rounds: list[list[Request]], block_tokens: int) -> dict[str, int]:
+    """Each request's ideal hit: its longest prefix shared with a request of an earlier round,
+    floored to a hash-block boundary, at most `(P - 1) // B * B`."""
+    earlier: list[list[int]] = []
+    hits: dict[str, int] = {}
+    for batch in rounds:
+        for request in batch:
+            shared = max((_common_prefix(request.prompt, other) for other in earlier), default=0)
+            cap = (len(request.prompt) - 1) // block_tokens * block_tokens
+            hits[request.rid] = min(shared // block_tokens * block_tokens, cap)
+        earlier.extend(r.prompt for r in batch)
+    return hits
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

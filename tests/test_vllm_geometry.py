@@ -1,0 +1,93 @@
+"""The engine-pool agreement of `cachetier.vllm.geometry`, on vLLM's own spec classes.
+
+`tests/test_vllm_connector.py` shows a real engine accepted and refused (another model, another
+block size); here every field the refusal compares, including those no CPU engine can vary (the
+CPU GDN kernel runs in bfloat16 only), is changed one at a time on the `KVCacheConfig` a tiny
+Qwen3-Next engine builds, and each change must be named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        MambaSpec)
+
+from cachetier.vllm.geometry import (GeometryMismatch, attention_block_tokens, config_for_model,
+                                     engine_args_for, geometry_differences, model_spec_from_vllm)
+from cachetier.vllm.settings import ConnectorConfigError, ConnectorSettings
+from cachetier.vllm.tiny import write_tiny_qwen3_next
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
+
+
+def _engine_config(*, attention_dtype: torch.dtype = torch.bfloat16, kv_heads: int = 2,
+                   state_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+                   block: int = 1152) -> KVCacheConfig:
+    """What vLLM 0.32 builds for the tiny Qwen3-Next on the CPU (seen in a real engine)."""
+    state = MambaSpec(block_size=block, shapes=((3, 1024), (4, 128, 128)), dtypes=state_dtypes,
+                      page_size_padded=294912, mamba_cache_mode="align")
+    attention = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=32,
+                                  dtype=attention_dtype)
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], state) for i in range(3)]
+    groups.append(KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attention))
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_the_pool_for_a_model_matches_its_engine(model_dir: Path) -> None:
+    config = config_for_model(model_dir, num_pages=32)
+    engine = model_spec_from_vllm(_engine_config(), tp_degree=1)
+    assert geometry_differences(config, engine, 1152, 128) == []
+    assert attention_block_tokens(config.model) == 1152 == config.cache.page_tokens
+    assert config.geometry.page_bytes == 294912  # vLLM's unified page, padding included
+    assert engine_args_for(config) == {
+        "enable_prefix_caching": True, "mamba_cache_mode": "align", "prefix_match_unit": 128,
+        "block_size": 1152, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32",
+        "tensor_parallel_size": 1}
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"attention_dtype": torch.float16}, "model.mla_dtype: engine 'float16', pool 'bfloat16'"),
+    ({"kv_heads": 4}, "model.gqa_kv_heads: engine 4, pool 2"),
+    ({"state_dtypes": (torch.bfloat16, torch.bfloat16)},
+     "model.kda_state_dtype: engine 'bfloat16', pool 'float32'"),
+    ({"state_dtypes": (torch.float32, torch.float32)},
+     "model.conv_dtype: engine 'float32', pool 'bfloat16'"),
+])
+def test_each_difference_is_named(model_dir: Path, change: dict, named: str) -> None:
+    config = config_for_model(model_dir, num_pages=32)
+    engine = model_spec_from_vllm(_engine_config(**change), tp_degree=1)
+    assert named in geometry_differences(config, engine, 1152, 128)
+
+
+def test_block_and_hash_unit_differences_are_named(model_dir: Path) -> None:
+    config = config_for_model(model_dir, num_pages=32)
+    engine = model_spec_from_vllm(_engine_config(), tp_degree=1)
+    assert geometry_differences(config, engine, 2304, 256) == [
+        "block_size: engine 2304, pool page_tokens 1152",
+        "prefix_match_unit: engine 256, pool hash_block_tokens 128"]
+
+
+def test_an_engine_without_linear_attention_is_refused() -> None:
+    full_only = _engine_config()
+    full_only = dataclasses.replace(full_only, kv_cache_groups=full_only.kv_cache_groups[3:])
+    with pytest.raises(GeometryMismatch, match="not GDN state \\+ full attention"):
+        model_spec_from_vllm(full_only, tp_degree=1)
+
+
+def test_connector_settings_name_the_bad_key() -> None:
+    good = {"service": "tcp://127.0.0.1:1", "token": "t", "pool": "p", "handle_file": "/h",
+            "model_id": "m"}
+    assert ConnectorSettings.from_extra_config(good).placement == "ladder"
+    for broken, message in (({**good, "pool": 3}, "pool: expected str"),
+                            ({k: v for k, v in good.items() if k != "token"}, "token is missing"),
+                            ({**good, "colour": "red"}, "unknown keys \\['colour'\\]"),
+                            ({**good, "placement": "nowhere"}, "placement: unknown")):
+        with pytest.raises(ConnectorConfigError, match=message):
+            ConnectorSettings.from_extra_config(broken)

@@ -1,0 +1,167 @@
+"""The connector's worker side against a real cluster, with tensors laid out as vLLM's CPU engine
+lays them (no engine: the layouts are what `tests/test_vllm_connector.py` proves end to end).
+
+A save writes a request's prefix from vLLM blocks into the pool; the pool's own typed views must
+then read the same values (so the pool holds cachetier's layout, not vLLM's bytes verbatim); a
+load must restore them exactly into other blocks; a load pinned in an epoch the pool has left
+must copy nothing and report the blocks it would have filled, for vLLM to recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cachetier.client import CacheTierClient
+from cachetier.config import Config
+from cachetier.run.cluster import POOL, Cluster
+from cachetier.run.vllm_cluster import vllm_cluster_settings
+from cachetier.vllm.info import connector_info
+from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
+from cachetier.vllm.settings import ConnectorSettings
+from cachetier.vllm.tier_thread import TierThread
+from cachetier.vllm.tiny import write_tiny_qwen3_next
+from cachetier.vllm.worker_side import ConnectorWorker
+from gpu_pool import PagedPool
+from index.hashing import chain_hashes, namespace_root
+from tests.vllm_harness import tokens
+
+GROUPS = ["linear", "linear", "linear", "full"]  # the tiny Qwen3-Next's groups, as vLLM orders them
+BLOCKS = 16
+PROMPT = tokens(50, 3000)
+BOUNDARY = 2944  # the prompt's last hash-unit boundary, where vLLM keeps its tail state
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    settings = vllm_cluster_settings(model_dir, run_dir=tmp_path_factory.mktemp("cluster"),
+                                     port=0, pool_pages=64)
+    with Cluster(settings) as running:
+        yield running
+
+
+def _engine_caches(config: Config) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout: GDN layers as raw int8 blocks (conv then recurrent, padded to the
+    page), the attention layer as bf16 `[blocks, kv heads, block tokens, 2 x head dim]`."""
+    page, state = 294912, config.model.kda_rank_conv_bytes + config.model.kda_rank_recurrent_bytes
+    caches = {f"layers.{i}.linear_attn": torch.zeros(BLOCKS, page, dtype=torch.int8).as_strided(
+        (BLOCKS, 1, 1, state), (page, state, state, 1)) for i in range(3)}
+    caches["layers.3.self_attn.attn"] = torch.zeros(BLOCKS, 2, 1152, 64, dtype=torch.bfloat16)
+    return caches
+
+
+def _worker(cluster: Cluster,
+            model_dir: Path) -> tuple[ConnectorWorker, dict[str, torch.Tensor], dict[str, Any]]:
+    info = connector_info(service=cluster.service_url, token=cluster.settings.token, pool=POOL,
+                          handle_file=cluster.handle_file(0), model_dir=model_dir,
+                          config=cluster.settings.config)
+    settings = ConnectorSettings.from_extra_config(info["kv_transfer_config"]
+                                                   ["kv_connector_extra_config"])
+    tier = TierThread(settings.service, settings.token)
+    names = [[f"layers.{i}.linear_attn"] for i in range(3)] + [["layers.3.self_attn.attn"]]
+    worker = ConnectorWorker(settings, cluster.settings.config, GROUPS, names, tier)
+    caches = _engine_caches(cluster.settings.config)
+    worker.register_kv_caches(caches)
+    return worker, caches, info
+
+
+def _state(caches: dict[str, torch.Tensor], layer: int, block: int,
+           config: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GDN state as vLLM's model sees it: conv `[kernel - 1, channels]`, recurrent
+    `[H, V, K]`."""
+    raw = caches[f"layers.{layer}.linear_attn"][block].reshape(-1).view(torch.uint8)
+    conv_bytes = config.model.kda_rank_conv_bytes
+    return (raw[:conv_bytes].view(torch.bfloat16).view(3, 1024),
+            raw[conv_bytes:].view(torch.float32).view(4, 128, 128))
+
+
+def _fill(caches: dict[str, torch.Tensor], state_blocks: list[int], kv_blocks: list[int],
+          config: Config) -> None:
+    noise = torch.Generator().manual_seed(3)
+    for i, block in enumerate(state_blocks):
+        for part in _state(caches, i, block, config):
+            part.copy_(torch.randn(part.shape, generator=noise).to(part.dtype))
+    for block in kv_blocks:
+        kv = caches["layers.3.self_attn.attn"][block]
+        kv.copy_(torch.randn(kv.shape, generator=noise).to(torch.bfloat16))
+
+
+def _pin(info: dict[str, Any], reader: str) -> Any:
+    hashes = chain_hashes(PROMPT, namespace_root(info["model_id"]), 128)
+
+    async def pin() -> Any:
+        async with CacheTierClient(info["service"], token=info["token"]) as tier:
+            return await tier.pin(POOL, reader, len(PROMPT), hashes)
+    return asyncio.run(pin())
+
+
+def _release(info: dict[str, Any], reader: str) -> None:
+    async def release() -> None:
+        async with CacheTierClient(info["service"], token=info["token"]) as tier:
+            await tier.release(POOL, [reader])
+    asyncio.run(release())
+
+
+def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: Cluster,
+                                                                       model_dir: Path) -> None:
+    worker, caches, info = _worker(cluster, model_dir)
+    state_blocks, kv_blocks = [1, 2, 3], [4, 5, 6]
+    _fill(caches, state_blocks, kv_blocks, cluster.settings.config)
+    hashes = chain_hashes(PROMPT[:BOUNDARY], namespace_root(info["model_id"]), 128)
+    table = ([0, 0, 1], [0, 0, 2], [0, 0, 3], kv_blocks)
+    worker.save(CacheTierMetadata(saves=[SaveJob("r1", BOUNDARY, len(PROMPT), hashes,
+                                                 state_blocks, table)]))
+    pinned = _pin(info, "reader")
+    assert pinned.hit_tokens == BOUNDARY
+    pool = PagedPool.attach(pickle.loads(cluster.handle_file(0).read_bytes()))
+    for i, page in enumerate(pinned.checkpoint_pages):  # the pool's own views read vLLM's state
+        conv, recurrent = _state(caches, i, state_blocks[i], cluster.settings.config)
+        assert torch.equal(pool.conv_view(page)[0], conv.T)
+        assert torch.equal(pool.kda_view(page)[0], recurrent.transpose(-1, -2))
+    kv = caches["layers.3.self_attn.attn"]
+    token = 1500  # page 1, row 348; vLLM block kv_blocks[1], the same row
+    row = pool.mla_view(pinned.mla_pages[0][1])[0, token - 1152].view(2, 2, 32)  # [head, K/V, dim]
+    split = kv[kv_blocks[1]].view(2, 2, 1152, 32)  # [head, K/V, token, dim]
+    assert torch.equal(row, split[:, :, token - 1152])
+
+    fresh_state, fresh_kv = [7, 8, 9], [10, 11, 12]
+    job = LoadJob("r2", pinned.hit_tokens, 0, pinned.epoch, pinned.mla_pages,
+                  pinned.checkpoint_pages,
+                  ([0, 0, 7], [0, 0, 8], [0, 0, 9], fresh_kv))
+    worker.start_load(CacheTierMetadata(loads=[job]))
+    _release(info, "reader")
+    assert worker.take_load_errors() == set()
+    for i in range(3):
+        cache = caches[f"layers.{i}.linear_attn"]
+        assert torch.equal(cache[fresh_state[i]], cache[state_blocks[i]])
+    old = kv[kv_blocks].view(3, 2, 2, 1152, 32).permute(0, 3, 1, 2, 4).reshape(-1, 2, 2, 32)
+    new = kv[fresh_kv].view(3, 2, 2, 1152, 32).permute(0, 3, 1, 2, 4).reshape(-1, 2, 2, 32)
+    assert torch.equal(new[:BOUNDARY], old[:BOUNDARY])
+    assert not new[BOUNDARY:].any(), "rows past the hit are vLLM's to compute"
+    worker.tier.close()
+
+
+def test_a_load_pinned_in_a_voided_epoch_copies_nothing_and_reports_its_blocks(
+        cluster: Cluster, model_dir: Path) -> None:
+    worker, caches, info = _worker(cluster, model_dir)
+    pinned = _pin(info, "stale-reader")
+    assert pinned.hit_tokens == BOUNDARY  # saved by the test above
+    job = LoadJob("r3", pinned.hit_tokens, 1152, pinned.epoch - 1, pinned.mla_pages,
+                  pinned.checkpoint_pages, ([0, 0, 13], [0, 0, 14], [0, 0, 15], [1, 2, 3]))
+    worker.start_load(CacheTierMetadata(loads=[job]))
+    _release(info, "stale-reader")
+    # the attention blocks from the local hit's end to the hit, and each group's state block
+    assert worker.take_load_errors() == {2, 3, 13, 14, 15}
+    assert not any(caches[f"layers.{i}.linear_attn"][13 + i].any() for i in range(3))
+    assert not caches["layers.3.self_attn.attn"][[2, 3]].any()
+    worker.tier.close()
