@@ -41,6 +41,7 @@ class _Tracked:
     lookup: concurrent.futures.Future[PinnedPrefix] | None = None
     pinned: PinnedPrefix | None = None
     load_local_tokens: int | None = None  # set once vLLM allocated blocks for a hit
+    scheduled: bool = False  # once scheduled, a request is never loaded into again
     saved_boundary: int = 0
     report: dict[str, int] = field(default_factory=lambda: {"cachetier_hit_tokens": 0,
                                                             "cachetier_loaded_tokens": 0,
@@ -87,7 +88,9 @@ class ConnectorScheduler:
                 self.lookup_failures += 1
                 log.warning("cachetier lookup for %s failed: %s", request.request_id, exc)
                 tracked.pinned = PinnedPrefix(self._reader(request.request_id), -1, 0, [], [])
-        if tracked.lookup is None:
+        if tracked.lookup is None or tracked.scheduled:
+            # A request scheduled before and asked about again was preempted: vLLM recomputes
+            # it from its own cache (its loads are planned for new requests only).
             return 0, False
         hit = tracked.reader_hit
         if hit <= num_computed_tokens:
@@ -134,7 +137,10 @@ class ConnectorScheduler:
         meta = CacheTierMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
-            if tracked is None or tracked.load_local_tokens is None or tracked.pinned is None:
+            if tracked is None:
+                continue
+            tracked.scheduled = True
+            if tracked.load_local_tokens is None or tracked.pinned is None:
                 continue
             pinned = tracked.pinned
             meta.loads.append(LoadJob(new.req_id, pinned.hit_tokens, tracked.load_local_tokens,
@@ -156,12 +162,14 @@ class ConnectorScheduler:
             if tracked is None or block_ids is None:
                 continue
             prompt = tracked.request.num_prompt_tokens
+            loaded = tracked.report["cachetier_hit_tokens"]  # what the pool already holds
             by_boundary: dict[int, dict[int, int]] = defaultdict(dict)
             for group, block, boundary in entries:
                 by_boundary[boundary][group] = block
             for boundary in sorted(by_boundary):
                 states = by_boundary[boundary]
-                if (boundary % self.block or boundary > prompt or boundary <= tracked.saved_boundary
+                if (boundary % self.block or boundary > prompt
+                        or boundary <= max(tracked.saved_boundary, loaded)
                         or any(g not in states for g in linear)):
                     continue
                 blocks = boundary // self.block
