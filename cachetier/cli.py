@@ -271,7 +271,8 @@ def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
                                     "--vllm-model")
     return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir, token=args.token,
                                  port=args.port, agents=1 if args.agents is None else args.agents,
-                                 pool_pages=args.pool_pages, overrides=args.overrides)
+                                 pool_pages=args.pool_pages, hash_unit=args.vllm_hash_unit,
+                                 overrides=args.overrides)
 
 
 def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -312,6 +313,10 @@ def _add_up_parser(commands: Any) -> None:
     up.add_argument("--info", type=Path, metavar="FILE",
                     help="with --vllm-model: JSON written once ready (service, token, pool, "
                          "kv_transfer_config, engine_args), removed on stop")
+    up.add_argument("--vllm-hash-unit", type=int, metavar="TOKENS",
+                    help="with --vllm-model: the hash unit (vLLM's prefix_match_unit; default "
+                         "vLLM's attention block, where restores are bit-exact; 128 also serves "
+                         "prompt tails)")
     up.add_argument("--pool-pages", type=int, default=1024, metavar="N",
                     help="with --vllm-model: pages in the pool (default 1024)")
     _add_cluster_arguments(up, 7400)

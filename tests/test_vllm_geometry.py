@@ -43,11 +43,15 @@ def _engine_config(*, attention_dtype: torch.dtype = torch.bfloat16, kv_heads: i
 def test_the_pool_for_a_model_matches_its_engine(model_dir: Path) -> None:
     config = config_for_model(model_dir, num_pages=32)
     engine = model_spec_from_vllm(_engine_config(), tp_degree=1)
-    assert geometry_differences(config, engine, 1152, 128) == []
+    assert geometry_differences(config, engine, 1152, 1152) == []
     assert attention_block_tokens(config.model) == 1152 == config.cache.page_tokens
     assert config.geometry.page_bytes == 294912  # vLLM's unified page, padding included
+    fine = config_for_model(model_dir, num_pages=32, hash_unit=128)
+    assert geometry_differences(fine, engine, 1152, 128) == []
+    with pytest.raises(GeometryMismatch, match="does not divide"):
+        config_for_model(model_dir, num_pages=32, hash_unit=500)
     assert engine_args_for(config) == {
-        "enable_prefix_caching": True, "mamba_cache_mode": "align", "prefix_match_unit": 128,
+        "enable_prefix_caching": True, "mamba_cache_mode": "align", "prefix_match_unit": 1152,
         "block_size": 1152, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32",
         "tensor_parallel_size": 1}
 
@@ -63,7 +67,7 @@ def test_the_pool_for_a_model_matches_its_engine(model_dir: Path) -> None:
 def test_each_difference_is_named(model_dir: Path, change: dict, named: str) -> None:
     config = config_for_model(model_dir, num_pages=32)
     engine = model_spec_from_vllm(_engine_config(**change), tp_degree=1)
-    assert named in geometry_differences(config, engine, 1152, 128)
+    assert named in geometry_differences(config, engine, 1152, 1152)
 
 
 def test_block_and_hash_unit_differences_are_named(model_dir: Path) -> None:
@@ -71,7 +75,7 @@ def test_block_and_hash_unit_differences_are_named(model_dir: Path) -> None:
     engine = model_spec_from_vllm(_engine_config(), tp_degree=1)
     assert geometry_differences(config, engine, 2304, 256) == [
         "block_size: engine 2304, pool page_tokens 1152",
-        "prefix_match_unit: engine 256, pool hash_block_tokens 128"]
+        "prefix_match_unit: engine 256, pool hash_block_tokens 1152"]
 
 
 def test_an_engine_without_linear_attention_is_refused() -> None:

@@ -10,6 +10,7 @@ must copy nothing and report the blocks it would have filled, for vLLM to recomp
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -20,21 +21,19 @@ import torch
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
 from cachetier.run.cluster import POOL, Cluster
-from cachetier.run.vllm_cluster import vllm_cluster_settings
-from cachetier.vllm.info import connector_info
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
 from cachetier.vllm.tiny import write_tiny_qwen3_next
-from cachetier.vllm.worker_side import ConnectorWorker
+from cachetier.vllm.worker_side import ConnectorWorker, state_blocks
 from gpu_pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
-from tests.vllm_harness import tokens
+from tests.vllm_harness import tokens, vllm_cluster
 
 GROUPS = ["linear", "linear", "linear", "full"]  # the tiny Qwen3-Next's groups, as vLLM orders them
 BLOCKS = 16
 PROMPT = tokens(50, 3000)
-BOUNDARY = 2944  # the prompt's last hash-unit boundary, where vLLM keeps its tail state
+BOUNDARY = 2304  # the prompt's last block end, where vLLM keeps a state the pool saves
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +43,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    settings = vllm_cluster_settings(model_dir, run_dir=tmp_path_factory.mktemp("cluster"),
-                                     port=0, pool_pages=64)
-    with Cluster(settings) as running:
+    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=64) as running:
         yield running
 
 
@@ -62,9 +59,7 @@ def _engine_caches(config: Config) -> dict[str, torch.Tensor]:
 
 def _worker(cluster: Cluster,
             model_dir: Path) -> tuple[ConnectorWorker, dict[str, torch.Tensor], dict[str, Any]]:
-    info = connector_info(service=cluster.service_url, token=cluster.settings.token, pool=POOL,
-                          handle_file=cluster.handle_file(0), model_dir=model_dir,
-                          config=cluster.settings.config)
+    info = json.loads((cluster.run_dir / "info.json").read_text())
     settings = ConnectorSettings.from_extra_config(info["kv_transfer_config"]
                                                    ["kv_connector_extra_config"])
     tier = TierThread(settings.service, settings.token)
@@ -97,7 +92,7 @@ def _fill(caches: dict[str, torch.Tensor], state_blocks: list[int], kv_blocks: l
 
 
 def _pin(info: dict[str, Any], reader: str) -> Any:
-    hashes = chain_hashes(PROMPT, namespace_root(info["model_id"]), 128)
+    hashes = chain_hashes(PROMPT, namespace_root(info["model_id"]), 1152)
 
     async def pin() -> Any:
         async with CacheTierClient(info["service"], token=info["token"]) as tier:
@@ -117,8 +112,8 @@ def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: C
     worker, caches, info = _worker(cluster, model_dir)
     state_blocks, kv_blocks = [1, 2, 3], [4, 5, 6]
     _fill(caches, state_blocks, kv_blocks, cluster.settings.config)
-    hashes = chain_hashes(PROMPT[:BOUNDARY], namespace_root(info["model_id"]), 128)
-    table = ([0, 0, 1], [0, 0, 2], [0, 0, 3], kv_blocks)
+    hashes = chain_hashes(PROMPT[:BOUNDARY], namespace_root(info["model_id"]), 1152)
+    table = ([0, 1, 0], [0, 2, 0], [0, 3, 0], kv_blocks)
     worker.save(CacheTierMetadata(saves=[SaveJob("r1", BOUNDARY, len(PROMPT), hashes,
                                                  state_blocks, table)]))
     pinned = _pin(info, "reader")
@@ -160,8 +155,18 @@ def test_a_load_pinned_in_a_voided_epoch_copies_nothing_and_reports_its_blocks(
                   pinned.checkpoint_pages, ([0, 0, 13], [0, 0, 14], [0, 0, 15], [1, 2, 3]))
     worker.start_load(CacheTierMetadata(loads=[job]))
     _release(info, "stale-reader")
-    # the attention blocks from the local hit's end to the hit, and each group's state block
-    assert worker.take_load_errors() == {2, 3, 13, 14, 15}
+    # the attention blocks from the local hit's end to the hit, and each group's state blocks
+    assert worker.take_load_errors() == {2, 13, 14, 15}
     assert not any(caches[f"layers.{i}.linear_attn"][13 + i].any() for i in range(3))
     assert not caches["layers.3.self_attn.attn"][[2, 3]].any()
     worker.tier.close()
+
+
+def test_a_hit_that_ends_a_block_also_fills_the_block_the_pass_runs_in() -> None:
+    """vLLM copies a block-aligned hit's state block into the next block before the connector
+    loads, and its pass reads that copy: both must get the state (found with real engines:
+    block-aligned hits came out wrong until then). A null block (id 0) is never written."""
+    assert state_blocks([0, 3, 9], 2304, 1152) == [3, 9]
+    assert state_blocks([0, 0, 1], 2944, 1152) == [1]
+    assert state_blocks([0, 0, 7], 2304, 1152) == [7]
+    assert state_blocks([0, 5], 2304, 1152) == [5]  # no block past the table's end

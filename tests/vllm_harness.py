@@ -7,14 +7,18 @@ production: one started after another sees only what the tier holds, never the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from cachetier.run.cluster import POOL, Cluster
+from cachetier.run.vllm_cluster import vllm_cluster_settings
 from cachetier.vllm.engine_run import EngineProcess
+from cachetier.vllm.info import connector_info, write_info
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 
@@ -29,6 +33,19 @@ def run_engine(model: Path, workdir: Path, name: str, steps: list[list[dict[str,
         for step in steps:
             results.update(engine.step(step, max_tokens)["requests"])
     return results
+
+
+@contextlib.contextmanager
+def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int) -> Iterator[Cluster]:
+    """`cachetier up --vllm-model`'s cluster for `model_dir`, with its info file written to
+    `<run_dir>/info.json` (the path engines are given)."""
+    settings = vllm_cluster_settings(model_dir, run_dir=run_dir, port=0, pool_pages=pool_pages)
+    with Cluster(settings) as running:
+        write_info(running.run_dir / "info.json",
+                   connector_info(service=running.service_url, token=settings.token, pool=POOL,
+                                  handle_file=running.handle_file(0), model_dir=model_dir,
+                                  config=settings.config))
+        yield running
 
 
 def tokens(seed: int, count: int) -> list[int]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from cachetier.run.cluster import POOL, Cluster
 from cachetier.run.progress import ProgressBar
 from cachetier.run.vllm_cluster import vllm_cluster_settings
 from cachetier.vllm.engine_run import EngineProcess
-from cachetier.vllm.geometry import HASH_UNIT, engine_args_for
+from cachetier.vllm.geometry import FINE_HASH_UNIT, engine_args_for
 from cachetier.vllm.info import connector_info, write_info
 from cachetier.vllm.oracle import compare
 from cachetier.vllm.tiny import write_tiny_qwen3_next
@@ -49,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="model directory (default: the tiny Qwen3-Next "
                                                    "with random weights, written to a temp dir)")
+    parser.add_argument("--hash-unit", type=int, metavar="TOKENS",
+                        help="the hash unit (vLLM's prefix_match_unit): vLLM's attention block "
+                             f"(default) or a divisor of it, e.g. {FINE_HASH_UNIT} for prompt tails")
+    parser.add_argument("--work-dir", type=Path, help="keep the engines' logs, the cluster's run "
+                                                      "directory and every output here (default: "
+                                                      "a temp dir, removed)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,11 +64,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = WorkloadSpec(engines=args.engines, sessions=args.sessions, forks=args.forks,
                         turns=args.turns, seed=args.seed)
     rounds = build(spec)
-    with tempfile.TemporaryDirectory(prefix="cachetier-bench-vllm-") as scratch:
-        workdir = Path(scratch)
+    with _work_dir(args.work_dir) as workdir:
         model = args.model or write_tiny_qwen3_next(workdir / "model")
         settings = vllm_cluster_settings(model, run_dir=workdir / "cluster", port=0,
-                                         pool_pages=1024)
+                                         pool_pages=1024, hash_unit=args.hash_unit)
         started = time.perf_counter()
         with Cluster(settings) as cluster:
             info = workdir / "info.json"
@@ -75,7 +81,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        engine_args=engine_args_for(settings.config))
         cold = _serve(model, workdir, "cold", [[r] for batch in rounds for r in batch],
                       args, info=None, engine_args={}, engines=1)
-        return _figures(spec, rounds, tiered, local, cold, time.perf_counter() - started)
+        if args.work_dir is not None:
+            (workdir / "outputs.json").write_text(json.dumps(
+                {"tier": tiered, "local": local, "cold": cold}))
+        return _figures(spec, settings.config.cache.hash_block_tokens, rounds, tiered, local,
+                        cold, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _work_dir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path.resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix="cachetier-bench-vllm-") as scratch:
+        yield Path(scratch)
 
 
 def _serve(model: Path, workdir: Path, name: str, rounds: list[list[Request]],
@@ -113,10 +133,11 @@ def _engines(model: Path, workdir: Path, name: str, count: int, info: Path | Non
                for e in range(count)]
 
 
-def _figures(spec: WorkloadSpec, rounds: list[list[Request]], tiered: dict[str, Any],
+def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
+             tiered: dict[str, Any],
              local: dict[str, Any], cold: dict[str, Any], seconds: float) -> dict[str, Any]:
     requests = [r for batch in rounds for r in batch]
-    ideal = oracle_hit_tokens(rounds, HASH_UNIT)
+    ideal = oracle_hit_tokens(rounds, FINE_HASH_UNIT)
     served = tiered["requests"]
     verdicts = [compare(served[r.rid], cold["requests"][r.rid]) for r in requests]
     reports = [served[r.rid]["connector"] for r in requests]
@@ -129,7 +150,7 @@ def _figures(spec: WorkloadSpec, rounds: list[list[Request]], tiered: dict[str, 
                        * served[r.rid]["num_cached_tokens"] / len(r.prompt) for r in requests)
     connector_ms = sum(t["cachetier_scheduler_ms"] for t in engine_totals)
     return {
-        "engines": spec.engines, "requests": len(requests),
+        "engines": spec.engines, "hash_unit": hash_unit, "requests": len(requests),
         "tokens": sum(len(r.prompt) for r in requests),
         "hit_tokens_local": hit_local, "hit_tokens_cachetier": hit_cachetier,
         "oracle_hit_tokens": oracle,

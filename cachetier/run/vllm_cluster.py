@@ -20,7 +20,7 @@ from cachetier.vllm.info import connector_info, write_info
 
 def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
                           token: str | None = None, port: int = 7400, agents: int = 1,
-                          pool_pages: int = 1024,
+                          pool_pages: int = 1024, hash_unit: int | None = None,
                           overrides: Sequence[tuple[str, str]] = ()) -> ClusterSettings:
     """The cluster whose pool is sized for `model_dir`'s vLLM layout
     (`cachetier.vllm.geometry.config_for_model`), `overrides` (`--set` pairs) on top."""
@@ -28,7 +28,7 @@ def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
         raise ConfigError("--agents", "the vLLM connector serves engines of tensor-parallel "
                                       f"size 1: one agent, got {agents}")
     try:
-        config = config_for_model(model_dir, num_pages=pool_pages)
+        config = config_for_model(model_dir, num_pages=pool_pages, hash_unit=hash_unit)
     except (GeometryMismatch, ConfigError, OSError) as exc:
         raise ConfigError("--vllm-model", str(exc)) from None
     serve_config = override_arguments(config) + [f"--set={k}={v}" for k, v in overrides]

@@ -34,7 +34,7 @@ from typing import Any
 from cachetier.config import DTYPE_BYTES, CacheSpec, Config, ModelSpec
 from cachetier.hf_config import hf_model_fields
 
-HASH_UNIT = 128  # vLLM's prefix_match_unit and cachetier's hash block
+FINE_HASH_UNIT = 128  # the finest hash unit served: prompt tails at 128-token boundaries
 SSM_STATE_DTYPE = "float32"  # vLLM keeps the GDN recurrent state in float32 (pinned below)
 _KERNEL_BLOCK_BASE = 128  # the smallest attention block vLLM's CPU and CUDA backends both accept
 
@@ -57,8 +57,10 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()[:24]
 
 
-def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 64) -> Config:
-    """The pool configuration for a GDN + GQA model served by vLLM with `engine_args_for`."""
+def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 64,
+                     hash_unit: int | None = None) -> Config:
+    """The pool configuration for a GDN + GQA model served by vLLM with `engine_args_for`; the
+    hash unit is vLLM's attention block unless given (`FINE_HASH_UNIT` for prompt tails)."""
     fields = hf_model_fields(Path(model_dir) / "config.json")
     if fields["linear_kind"] != "gdn":
         raise GeometryMismatch(f"{model_dir}: only Gated DeltaNet + GQA models (Qwen3-Next, "
@@ -66,7 +68,10 @@ def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 
     fields["kda_state_dtype"] = SSM_STATE_DTYPE
     model = ModelSpec(**fields)
     block = attention_block_tokens(model)
-    cache = CacheSpec(hash_block_tokens=HASH_UNIT, page_tokens=block, page_alignment=128,
+    unit = hash_unit or block
+    if unit <= 0 or block % unit:
+        raise GeometryMismatch(f"hash unit {unit} does not divide vLLM's {block}-token block")
+    cache = CacheSpec(hash_block_tokens=unit, page_tokens=block, page_alignment=128,
                       num_pages=num_pages, max_batch=max_batch)
     return Config(model, cache)
 
@@ -76,7 +81,7 @@ def attention_block_tokens(model: ModelSpec) -> int:
     attention page holds one linear-attention state (vLLM pads the state page to it)."""
     token_bytes = 2 * model.gqa_kv_heads * model.gqa_head_dim * DTYPE_BYTES[model.mla_dtype]
     state_bytes = model.kda_rank_conv_bytes + model.kda_rank_recurrent_bytes
-    base = math.lcm(_KERNEL_BLOCK_BASE, HASH_UNIT)
+    base = math.lcm(_KERNEL_BLOCK_BASE, FINE_HASH_UNIT)
     return base * math.ceil(state_bytes / (base * token_bytes))
 
 

@@ -116,23 +116,23 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def rows_to_engine(pool: AttentionViews, engine: AttentionViews, rows: TokenRows) -> None:
-    if not len(rows):
-        return
-    device = engine.keys.device
-    pages, page_rows = _index(rows.pages, device), _index(rows.page_rows, device)
-    blocks, block_rows = _index(rows.blocks, device), _index(rows.block_rows, device)
-    engine.keys[blocks, block_rows] = pool.keys[pages, page_rows].to(device)
-    engine.values[blocks, block_rows] = pool.values[pages, page_rows].to(device)
+    _copy_rows(engine, (rows.blocks, rows.block_rows), pool, (rows.pages, rows.page_rows))
 
 
 def rows_to_pool(engine: AttentionViews, pool: AttentionViews, rows: TokenRows) -> None:
-    if not len(rows):
+    _copy_rows(pool, (rows.pages, rows.page_rows), engine, (rows.blocks, rows.block_rows))
+
+
+def _copy_rows(dst: AttentionViews, dst_at: tuple[list[int], list[int]], src: AttentionViews,
+               src_at: tuple[list[int], list[int]]) -> None:
+    """`dst[dst_at[0][i], dst_at[1][i]] = src[src_at[0][i], src_at[1][i]]` for every row, K and V:
+    one indexed copy each, on the destination's device."""
+    if not dst_at[0]:
         return
-    device = pool.keys.device
-    pages, page_rows = _index(rows.pages, device), _index(rows.page_rows, device)
-    blocks, block_rows = _index(rows.blocks, device), _index(rows.block_rows, device)
-    pool.keys[pages, page_rows] = engine.keys[blocks, block_rows].to(device)
-    pool.values[pages, page_rows] = engine.values[blocks, block_rows].to(device)
+    into = tuple(_index(v, dst.keys.device) for v in dst_at)
+    out_of = tuple(_index(v, src.keys.device) for v in src_at)
+    dst.keys[into] = src.keys[out_of].to(dst.keys.device)
+    dst.values[into] = src.values[out_of].to(dst.values.device)
 
 
 def states_to_engine(pool: StateViews, engine: StateViews, pages: list[int],

@@ -1,20 +1,24 @@
-"""Is an engine's output served through the tier the cold engine's output? The comparison.
+"""Is an engine's output served through the tier a reference engine's output? The comparison.
 
 Exact equality would be the strictest oracle, and it does not hold here for a reason that is not
 the tier's: vLLM's CPU Gated DeltaNet kernel runs in bfloat16 only, and the recurrent state at a
 boundary depends on where the prefill was cut into chunks (a cold engine with prefix caching off
-cuts a prompt at other places than an engine that resumed from a hit). On the tiny random model,
-whose top tokens are often within a few hundredths of a nat of each other, that rounding alone
-flips a greedy token now and then (measured: up to 0.03 nat between runs that restore nothing).
+cuts a prompt at other places than an engine that resumed from a hit, and scheduling moves the
+cuts too). On the tiny random model, whose top tokens are often within a few hundredths of a nat
+of each other, that rounding alone flips a greedy token now and then.
 
 So outputs are compared position by position while their contexts are the same (every earlier
-token equal): at each such position the two engines' top tokens must mostly coincide (at least
-`MIN_SHARED` of the `TOP_K` each reports) and every token both rank must have the same logprob
-within `tolerance` nats; where the greedy tokens first differ, the cold engine must have ranked
-the served token within `tolerance` of its own (a tie the rounding can flip), and the comparison
-stops there (the continuations differ from then on). A state or KV page that is wrong moves the
-distribution by more than that from the first token (the tests corrupt conv rows, recurrent rows
-and attention rows, and check that each is caught).
+token equal): at each such position every token both engines rank in their top 5 (at least one
+must be: bfloat16 logits tie often, so which of the tied tokens make a top 5 is arbitrary) must
+have the same logprob within the position's tolerance; where the greedy tokens first differ, the cold engine must have
+ranked the served token within that tolerance of its own (a tie the rounding can flip), and the
+comparison stops there (the continuations differ from then on). The tolerance is `TOLERANCE` at
+the first token, which depends on the prompt only (the restored state and KV), and grows by
+`DRIFT_PER_TOKEN` per generated token after it, since decoding compounds the rounding: vLLM
+itself, in align mode with no hit at all, drifts from the cold engine by up to 0.17 nats by the
+8th token (measured on the tiny model). A state or KV page that is wrong moves the first token's
+distribution by far more (the tests corrupt conv rows, recurrent rows and attention rows, and
+check that each is caught).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 TOLERANCE = 0.06
-MIN_SHARED = 3
+DRIFT_PER_TOKEN = 0.04
 
 
 @dataclass(frozen=True)
@@ -38,25 +42,25 @@ class Verdict:
         return self.outcome != "mismatch"
 
 
-def compare(served: dict[str, Any], cold: dict[str, Any],
-            tolerance: float = TOLERANCE) -> Verdict:
+def compare(served: dict[str, Any], cold: dict[str, Any], tolerance: float = TOLERANCE,
+            drift: float = DRIFT_PER_TOKEN) -> Verdict:
     """`served` and `cold` are `cachetier.vllm.engine_run` results of one request."""
     worst = 0.0
     positions = zip(served["token_ids"], cold["token_ids"], served["top"], cold["top"])
     for position, (token, cold_token, top, cold_top) in enumerate(positions):
+        allowed = tolerance + drift * position
         ranked, cold_ranked = dict(map(tuple, top)), dict(map(tuple, cold_top))
         shared = ranked.keys() & cold_ranked.keys()
-        if len(shared) < min(MIN_SHARED, len(cold_ranked)):
-            return Verdict("mismatch", position, worst,
-                           f"only {len(shared)} of the top {len(cold_ranked)} tokens in common")
+        if not shared:
+            return Verdict("mismatch", position, worst, "no top token in common")
         delta = max(abs(ranked[t] - cold_ranked[t]) for t in shared)
         worst = max(worst, delta)
-        if delta > tolerance:
+        if delta > allowed:
             return Verdict("mismatch", position, worst,
                            f"a logprob {delta:.4f} nats from the cold engine's")
         if token != cold_token:
             gap = cold_ranked[cold_token] - cold_ranked.get(token, float("-inf"))
-            if gap <= tolerance:
+            if gap <= allowed:
                 return Verdict("tie", position, worst)
             return Verdict("mismatch", position, worst,
                            f"token {token} where the cold engine chose {cold_token} "

@@ -215,11 +215,20 @@ class ConnectorScheduler:
             self.busy_s += time.perf_counter() - begin
 
     def _release(self, tracked: _Tracked) -> None:
-        """Unpin now, in the background (releasing an unknown reader is harmless)."""
-        if tracked.lookup is None or tracked.pinned is None or tracked.pinned.hit_tokens == 0:
+        """Unpin now, in the background (releasing an unknown reader is harmless); a lookup still
+        in flight is released once it lands, so a request ended meanwhile leaks no pin."""
+        if tracked.lookup is None:
             return
         reader = self._reader(tracked.request.request_id)
+        if tracked.pinned is None:
+            tracked.lookup.add_done_callback(lambda _: self._unpin(reader))
+            return
+        if tracked.pinned.hit_tokens == 0:
+            return
         tracked.pinned = PinnedPrefix(reader, tracked.pinned.epoch, 0, [], [])
+        self._unpin(reader)
+
+    def _unpin(self, reader: str) -> None:
         future = self.tier.submit(lambda c: c.release(self.settings.pool, [reader]))
         future.add_done_callback(_log_failure(f"release of {reader}"))
 

@@ -26,6 +26,7 @@ class TierThread:
                                         daemon=True)
         self._thread.start()
         self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._pending_lock = threading.Lock()  # submitted from vLLM's threads and the loop's
         self.client: CacheTierClient = self.run(self._make_client(url, token, timeout_s))
 
     @staticmethod
@@ -37,9 +38,14 @@ class TierThread:
         """Start `call(client)` on the loop; the future holds its result or its error. Calls still
         running when the connector shuts down are waited for (`close`): a release is never lost."""
         future = asyncio.run_coroutine_threadsafe(_as_coroutine(call(self.client)), self._loop)
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._settled)
         return future
+
+    def _settled(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
 
     def call(self, call: Callable[[CacheTierClient], Awaitable[T]],
              timeout_s: float | None = None) -> T:
@@ -52,7 +58,9 @@ class TierThread:
     def close(self, drain_s: float = 10.0) -> None:
         if not self._loop.is_running():
             return
-        concurrent.futures.wait(list(self._pending), timeout=drain_s)
+        with self._pending_lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=drain_s)
         try:
             self.run(self.client.close())
         finally:

@@ -5,7 +5,9 @@ on this machine's CPU without the hub: 3 GDN layers and 1 full-attention layer, 
 heads of 128 (the CPU kernel supports no smaller one), 2 KV heads of 32. The default init gives
 near-constant outputs, which would make the output comparison blind, so every weight is redrawn
 from `N(0, std)` with a fixed seed: the same seed writes the same model, greedy outputs differ from
-token to token, and any corrupted state byte shows in the logprobs.
+token to token. The GDN decay is then set for a long memory (`A_log` = -4, `dt_bias` = -2: a
+state keeps ~99.8 % per token), or the recurrent state a hit restores would hardly matter to the
+outputs (with random decay parameters it halves every token) and the oracle could not see it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ TINY_ARCH = {
 }
 
 
+LONG_MEMORY_A_LOG = -4.0
+LONG_MEMORY_DT_BIAS = -2.0
+
+
 def write_tiny_qwen3_next(path: str | Path, *, seed: int = 0, std: float = 0.07) -> Path:
     """Write the model to `path` (config.json + safetensors), unless the same seed is there."""
     import torch
@@ -31,15 +37,20 @@ def write_tiny_qwen3_next(path: str | Path, *, seed: int = 0, std: float = 0.07)
 
     path = Path(path)
     stamp = path / "cachetier-tiny.json"
-    wanted = {"seed": seed, "std": std, **TINY_ARCH}
+    wanted = {"seed": seed, "std": std, "a_log": LONG_MEMORY_A_LOG,
+              "dt_bias": LONG_MEMORY_DT_BIAS, **TINY_ARCH}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return path
     generator = torch.Generator().manual_seed(seed)
     config = Qwen3NextConfig(**TINY_ARCH, torch_dtype="bfloat16")
     model = Qwen3NextForCausalLM(config)
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+            if name.endswith("linear_attn.A_log"):
+                parameter.add_(LONG_MEMORY_A_LOG)
+            elif name.endswith("linear_attn.dt_bias"):
+                parameter.add_(LONG_MEMORY_DT_BIAS)
     model.to(torch.bfloat16).save_pretrained(path)
     stamp.write_text(json.dumps(wanted))
     return path

@@ -142,8 +142,11 @@ class ConnectorWorker:
             for pool_view, engine_view in zip(mapping.attention[a], self._engine_attention[g]):
                 rows_to_engine(pool_view, engine_view, rows)
         for s, g in enumerate(linear):
-            pages = [job.checkpoint_pages[s] for job in jobs]
-            blocks = [job.block_ids[g][(job.hit_tokens - 1) // block_tokens] for job in jobs]
+            pages, blocks = [], []
+            for job in jobs:
+                for block in state_blocks(job.block_ids[g], job.hit_tokens, block_tokens):
+                    pages.append(job.checkpoint_pages[s])
+                    blocks.append(block)
             for pool_view, engine_view in zip(mapping.state[s], self._engine_state[g]):
                 states_to_engine(pool_view, engine_view, pages, blocks)
 
@@ -154,8 +157,9 @@ class ConnectorWorker:
             first = job.local_tokens // self.block_tokens
             last = (job.hit_tokens - 1) // self.block_tokens
             for g, ids in enumerate(job.block_ids):
-                wanted = ids[first:last + 1] if self.groups[g] == "full" else ids[last:last + 1]
-                self._load_errors.update(ids_ for ids_ in wanted if ids_ >= 0)
+                wanted = (ids[first:last + 1] if self.groups[g] == "full"
+                          else state_blocks(ids, job.hit_tokens, self.block_tokens))
+                self._load_errors.update(block for block in wanted if block > 0)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -228,6 +232,17 @@ class ConnectorWorker:
         if kind is None:
             return CommitItem(plan.rid, plan.stop)
         return CommitItem(plan.rid, plan.stop, plan.checkpoint_tokens, kind=kind)
+
+
+def state_blocks(table: list[int], hit_tokens: int, block_tokens: int) -> list[int]:
+    """The blocks of one linear group vLLM may read a hit's state from. Align mode keeps the
+    state at tokens `hit` in the block of the hit's last token; when the hit ends a block, vLLM
+    has already copied that block into the next one (the block the pass runs in) before the
+    connector loads, and the pass reads the copy: both get the state (the next one is
+    overwritten by the pass anyway)."""
+    last = (hit_tokens - 1) // block_tokens
+    wanted = [last] + ([last + 1] if hit_tokens % block_tokens == 0 else [])
+    return [table[i] for i in wanted if i < len(table) and table[i] > 0]
 
 
 async def _commit(client: Any, pool: str, items: list[CommitItem]) -> None:

@@ -9,8 +9,9 @@ engines in a global order that puts a session's successive turns on different en
 engine gets its share of a round as one batch.
 
 `oracle_hit_tokens` is the ideal reuse at the tier's hash-block granularity: every request reuses
-its longest prefix shared with any request of an earlier round, at the deepest hash-block
-boundary that leaves a token to compute.
+its longest prefix shared with any request routed before it, at the deepest hash-block boundary
+that leaves a token to compute (requests of one round run at once on different engines, so this
+ideal is above what any cache reaches; an engine's batch does reuse within itself).
 """
 
 from __future__ import annotations
@@ -76,16 +77,15 @@ def build(spec: WorkloadSpec) -> list[list[Request]]:
 
 
 def oracle_hit_tokens(rounds: list[list[Request]], block_tokens: int) -> dict[str, int]:
-    """Each request's ideal hit: its longest prefix shared with a request of an earlier round,
+    """Each request's ideal hit: its longest prefix shared with a request routed before it,
     floored to a hash-block boundary, at most `(P - 1) // B * B`."""
     earlier: list[list[int]] = []
     hits: dict[str, int] = {}
-    for batch in rounds:
-        for request in batch:
-            shared = max((_common_prefix(request.prompt, other) for other in earlier), default=0)
-            cap = (len(request.prompt) - 1) // block_tokens * block_tokens
-            hits[request.rid] = min(shared // block_tokens * block_tokens, cap)
-        earlier.extend(r.prompt for r in batch)
+    for request in (r for batch in rounds for r in batch):
+        shared = max((_common_prefix(request.prompt, other) for other in earlier), default=0)
+        cap = (len(request.prompt) - 1) // block_tokens * block_tokens
+        hits[request.rid] = min(shared // block_tokens * block_tokens, cap)
+        earlier.append(request.prompt)
     return hits
 
 

@@ -1,0 +1,77 @@
+"""`cachetier up --vllm-model DIR --info FILE`: the cluster for vLLM engines, run as a user runs it.
+
+The info file appears once the cluster answers, holds what an engine needs (a connector config
+vLLM accepts as is, the engine arguments of the alignment rules), and goes away with the cluster
+on SIGTERM, every child stopped. That an engine given this file is served is
+`tests/test_vllm_connector.py`'s subject.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import vllm
+from vllm.config import KVTransferConfig
+
+from cachetier.vllm.geometry import model_fingerprint
+from cachetier.vllm.tiny import write_tiny_qwen3_next
+
+
+def test_vllm_is_the_pinned_release() -> None:
+    """The connector is written against vLLM 0.32; CI fails here, not skips, without it."""
+    assert vllm.__version__ == "0.32.0"
+
+
+def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(tmp_path: Path) -> None:
+    model = write_tiny_qwen3_next(tmp_path / "model")
+    info, run_dir = tmp_path / "tier.json", tmp_path / "run"
+    up = subprocess.Popen([sys.executable, "-m", "cachetier.cli", "up", "--vllm-model", str(model),
+                           "--info", str(info), "--port", "0", "--run-dir", str(run_dir)],
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not info.exists():
+            assert up.poll() is None, up.stderr.read() if up.stderr else ""
+            assert time.monotonic() < deadline, "no info file within 60 s"
+            time.sleep(0.1)
+        details = json.loads(info.read_text())
+        assert {"service", "token", "pool", "kv_transfer_config", "engine_args"} <= details.keys()
+        transfer = KVTransferConfig(**details["kv_transfer_config"])
+        assert transfer.kv_connector == "CacheTierConnector"
+        assert transfer.kv_load_failure_policy == "recompute"
+        extra = transfer.kv_connector_extra_config
+        assert extra["model_id"] == model_fingerprint(model)
+        assert Path(extra["handle_file"]).exists()  # the agent has published its pool
+        assert details["engine_args"]["block_size"] == 1152
+        assert details["engine_args"]["prefix_match_unit"] == 1152
+        pids = json.loads((run_dir / "pids.json").read_text())
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert not info.exists(), "the info file outlived the cluster"
+    for name, pid in pids.items():
+        assert not _alive(pid), f"{name} (pid {pid}) outlived `up`"
+
+
+def test_up_refuses_an_info_file_without_a_model(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "cachetier.cli", "up", "--info",
+                           str(tmp_path / "tier.json"), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--vllm-model" in done.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
