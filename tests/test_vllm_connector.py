@@ -5,8 +5,9 @@ served by engine A, then by engine B started after A exits, both through one clu
 as `cachetier up --vllm-model` does. B serves later turns, exact resends and a fork of A's
 sessions in batches, with chunks smaller than a page; every output must be a reference engine's
 (no connector, resuming from its own cache where a tier hit does: `reference_args`) by
-`cachetier.vllm.oracle`. Then corrupted pages must be caught by that comparison, a killed agent must leave correct outputs and no pin, and
-engines that differ from the pool must be refused at start.
+`cachetier.vllm.oracle`. Then corrupted pages must be caught by that comparison, a killed agent
+must leave correct outputs and no pin, and engines that differ from the pool must be refused at
+start.
 
 The tests share one cluster and run in file order (the agent is killed last).
 """

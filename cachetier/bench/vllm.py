@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "with random weights, written to a temp dir)")
     parser.add_argument("--hash-unit", type=int, metavar="TOKENS",
                         help="the hash unit (vLLM's prefix_match_unit): vLLM's attention block "
-                             f"(default) or a divisor of it, e.g. {FINE_HASH_UNIT} for prompt tails")
+                             f"(default) or a divisor of it, e.g. {FINE_HASH_UNIT} for prompt "
+                             "tails")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' logs, the cluster's run "
                                                       "directory and every output here (default: "
                                                       "a temp dir, removed)")
