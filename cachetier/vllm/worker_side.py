@@ -44,8 +44,9 @@ log = logging.getLogger("cachetier.vllm")
 class _PoolMapping:
     pool: PagedPool
     identity: tuple[int, int]  # the handle file's (inode, mtime_ns) when it was read
-    attention: list[list[AttentionViews]]  # [attention group][layer slot]
-    state: list[list[StateViews]]  # [linear group][layer slot]
+    # per layer slot, shared by every group of the kind: a page id picks the group's page
+    attention: list[AttentionViews]
+    state: list[StateViews]
 
 
 def read_handle(path: str) -> tuple[PoolHandle, tuple[int, int]]:
@@ -96,13 +97,9 @@ class ConnectorWorker:
         pool = PagedPool.attach(handle)
         layout = pool.layout
         slots = range(self.config.model.layers_per_group)
-        attention_groups = [g for g, kind in enumerate(self.groups) if kind == "full"]
-        linear_groups = [g for g, kind in enumerate(self.groups) if kind == "linear"]
-        self._mapping = _PoolMapping(
-            pool, identity,
-            [[pool_attention_views(pool.buffer, layout, s) for s in slots]
-             for _ in attention_groups],
-            [[pool_state_views(pool.buffer, layout, s) for s in slots] for _ in linear_groups])
+        self._mapping = _PoolMapping(pool, identity,
+                                     [pool_attention_views(pool.buffer, layout, s) for s in slots],
+                                     [pool_state_views(pool.buffer, layout, s) for s in slots])
         return self._mapping
 
     def _pool_epoch(self) -> int:
@@ -139,7 +136,7 @@ class ConnectorWorker:
             for job in jobs:
                 rows.add(job.local_tokens, job.hit_tokens, job.block_ids[g], block_tokens,
                          job.mla_pages[a], page_tokens)
-            for pool_view, engine_view in zip(mapping.attention[a], self._engine_attention[g]):
+            for pool_view, engine_view in zip(mapping.attention, self._engine_attention[g]):
                 rows_to_engine(pool_view, engine_view, rows)
         for s, g in enumerate(linear):
             pages, blocks = [], []
@@ -147,7 +144,7 @@ class ConnectorWorker:
                 for block in state_blocks(job.block_ids[g], job.hit_tokens, block_tokens):
                     pages.append(job.checkpoint_pages[s])
                     blocks.append(block)
-            for pool_view, engine_view in zip(mapping.state[s], self._engine_state[g]):
+            for pool_view, engine_view in zip(mapping.state, self._engine_state[g]):
                 states_to_engine(pool_view, engine_view, pages, blocks)
 
     def _fail(self, jobs: Any) -> None:
@@ -211,14 +208,14 @@ class ConnectorWorker:
             for job, plan in pairs:
                 rows.add(plan.start, plan.stop, job.block_ids[g], block_tokens,
                          plan.mla_pages[a], page_tokens)
-            for engine_view, pool_view in zip(self._engine_attention[g], mapping.attention[a]):
+            for engine_view, pool_view in zip(self._engine_attention[g], mapping.attention):
                 rows_to_pool(engine_view, pool_view, rows)
         with_state = [(job, plan) for job, plan in pairs
                       if plan.checkpoint_pages and plan.checkpoint_tokens == job.boundary]
         for s, g in enumerate(linear):
             blocks = [job.state_blocks[s] for job, _ in with_state]
             pages = [plan.checkpoint_pages[s] for _, plan in with_state]
-            for engine_view, pool_view in zip(self._engine_state[g], mapping.state[s]):
+            for engine_view, pool_view in zip(self._engine_state[g], mapping.state):
                 states_to_pool(engine_view, pool_view, blocks, pages)
         if mapping.pool.buffer.is_cuda:
             torch.cuda.current_stream(mapping.pool.buffer.device).synchronize()
