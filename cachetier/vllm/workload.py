@@ -4,9 +4,10 @@ Sessions start from one of a few shared system prompts; each turn's prompt is th
 prompt, the assistant's answer (synthetic tokens: the workload must not depend on what a random
 model says) and a new user message. Some sessions fork from another session's turn (a retry or a
 parallel tool call): their first prompt is that turn's prompt plus a new message. Requests are
-sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin over the
-engines in a global order that puts a session's successive turns on different engines; each
-engine gets its share of a round as one batch.
+sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin: session `s`
+goes to engine `(s + t) % K` in round `t`, so a session's successive turns land on different
+engines and each round spreads the sessions evenly; each engine gets its share of a round as one
+batch.
 
 `oracle_hit_tokens` is the ideal reuse at the tier's hash-block granularity: every request reuses
 its longest prefix shared with any request routed before it, at the deepest hash-block boundary
@@ -63,15 +64,14 @@ def build(spec: WorkloadSpec) -> list[list[Request]]:
             fork.append(fork[-1] + draw(spec.answer_tokens) + message())
         sessions.append(fork)
     rounds: list[list[Request]] = []
-    order = 0
     for turn in range(spec.turns):
         batch = []
         for s, prompts in enumerate(sessions):
             forked = s >= spec.sessions
             index = turn - 1 if forked else turn  # a fork starts one round after its parent
             if 0 <= index < len(prompts):
-                batch.append(Request(f"s{s}-t{turn}", prompts[index], turn, order % spec.engines))
-                order += 1
+                batch.append(Request(f"s{s}-t{turn}", prompts[index], turn,
+                                     (s + turn) % spec.engines))
         rounds.append(batch)
     return rounds
 
