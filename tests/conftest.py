@@ -3,12 +3,14 @@ a running service with its agent and a client holding the token.
 
 Never a mock of Redis: the Lua scripts are the system under test. If redis-server cannot start, the
 fixture raises and every test that needs it errors loudly; nothing is skipped. Tests that start
-several services or agents, or restart them, use `tests.cluster_harness` directly.
+several services or agents, or restart them, use `tests.cluster_harness` directly. The vLLM
+tests share one tiny Qwen3-Next (`model_dir`), written once.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -16,8 +18,15 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from cachetier.client import CacheTierClient
 from cachetier.run.servers import RedisServer
 from cachetier.service.server import CacheTierService
+from cachetier.vllm.tiny import write_tiny_qwen3_next
 from gpu_pool.agent import Agent
 from tests.cluster_harness import TOKEN, running_agent, running_service
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-Next the vLLM tests serve, written once per session."""
+    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
 
 
 @pytest.fixture(scope="session")

@@ -69,11 +69,6 @@ def reference_args(cluster: Cluster) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
-
-
-@pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=512) as running:
         yield running

@@ -19,12 +19,6 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from cachetier.vllm.geometry import (GeometryMismatch, attention_block_tokens, config_for_model,
                                      engine_args_for, geometry_differences, model_spec_from_vllm)
 from cachetier.vllm.settings import ConnectorConfigError, ConnectorSettings
-from cachetier.vllm.tiny import write_tiny_qwen3_next
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
 
 
 def _engine_config(*, attention_dtype: torch.dtype = torch.bfloat16, kv_heads: int = 2,

@@ -20,7 +20,6 @@ import vllm
 from vllm.config import KVTransferConfig
 
 from cachetier.vllm.geometry import model_fingerprint
-from cachetier.vllm.tiny import write_tiny_qwen3_next
 
 
 def test_vllm_is_the_pinned_release() -> None:
@@ -28,10 +27,11 @@ def test_vllm_is_the_pinned_release() -> None:
     assert vllm.__version__ == "0.32.0"
 
 
-def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(tmp_path: Path) -> None:
-    model = write_tiny_qwen3_next(tmp_path / "model")
+def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir: Path,
+                                                                      tmp_path: Path) -> None:
     info, run_dir = tmp_path / "tier.json", tmp_path / "run"
-    up = subprocess.Popen([sys.executable, "-m", "cachetier.cli", "up", "--vllm-model", str(model),
+    up = subprocess.Popen([sys.executable, "-m", "cachetier.cli", "up", "--vllm-model",
+                           str(model_dir),
                            "--info", str(info), "--port", "0", "--run-dir", str(run_dir)],
                           stderr=subprocess.PIPE, text=True)
     try:
@@ -46,7 +46,7 @@ def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(tmp_path: 
         assert transfer.kv_connector == "CacheTierConnector"
         assert transfer.kv_load_failure_policy == "recompute"
         extra = transfer.kv_connector_extra_config
-        assert extra["model_id"] == model_fingerprint(model)
+        assert extra["model_id"] == model_fingerprint(model_dir)
         assert Path(extra["handle_file"]).exists()  # the agent has published its pool
         assert details["engine_args"]["block_size"] == 1152
         assert details["engine_args"]["prefix_match_unit"] == 1152

@@ -24,7 +24,6 @@ from cachetier.run.cluster import POOL, Cluster
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
-from cachetier.vllm.tiny import write_tiny_qwen3_next
 from cachetier.vllm.worker_side import ConnectorWorker, state_blocks
 from gpu_pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
@@ -34,11 +33,6 @@ GROUPS = ["linear", "linear", "linear", "full"]  # the tiny Qwen3-Next's groups,
 BLOCKS = 16
 PROMPT = tokens(50, 3000)
 BOUNDARY = 2304  # the prompt's last block end, where vLLM keeps a state the pool saves
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
 
 
 @pytest.fixture(scope="module")

@@ -86,26 +86,29 @@ def pool_state_views(buffer: torch.Tensor, layout: PageLayout, slot: int) -> Sta
 
 @dataclass
 class TokenRows:
-    """Token rows to move: row `i` is token row `block_rows[i]` of vLLM block `blocks[i]` and
-    row `page_rows[i]` of pool page `pages[i]`."""
+    """Token rows to move, as index tensors: row `i` is token row `block_rows[i]` of vLLM block
+    `blocks[i]` and row `page_rows[i]` of pool page `pages[i]`."""
 
-    blocks: list[int]
-    block_rows: list[int]
-    pages: list[int]
-    page_rows: list[int]
+    blocks: torch.Tensor
+    block_rows: torch.Tensor
+    pages: torch.Tensor
+    page_rows: torch.Tensor
 
     @classmethod
-    def empty(cls) -> TokenRows:
-        return cls([], [], [], [])
-
-    def add(self, start: int, stop: int, block_table: list[int], block_tokens: int,
-            page_table: list[int], page_tokens: int) -> None:
-        """Tokens `[start, stop)` of one request, through its vLLM block table and its pages."""
-        for t in range(start, stop):
-            self.blocks.append(block_table[t // block_tokens])
-            self.block_rows.append(t % block_tokens)
-            self.pages.append(page_table[t // page_tokens])
-            self.page_rows.append(t % page_tokens)
+    def of(cls, spans: list[tuple[int, int, list[int], list[int]]], block_tokens: int,
+           page_tokens: int) -> TokenRows:
+        """Every request's tokens `[start, stop)`, through its vLLM block table and its page
+        table (`(start, stop, blocks, pages)` each), gathered with tensor ops, not per token."""
+        parts = []
+        for start, stop, block_table, page_table in spans:
+            tokens = torch.arange(start, stop)
+            parts.append((torch.tensor(block_table)[tokens // block_tokens],
+                          tokens % block_tokens,
+                          torch.tensor(page_table)[tokens // page_tokens],
+                          tokens % page_tokens))
+        if not parts:
+            return cls(*(torch.empty(0, dtype=torch.long) for _ in range(4)))
+        return cls(*(torch.cat(column) for column in zip(*parts)))
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -123,33 +126,34 @@ def rows_to_pool(engine: AttentionViews, pool: AttentionViews, rows: TokenRows) 
     _copy_rows(pool, (rows.pages, rows.page_rows), engine, (rows.blocks, rows.block_rows))
 
 
-def _copy_rows(dst: AttentionViews, dst_at: tuple[list[int], list[int]], src: AttentionViews,
-               src_at: tuple[list[int], list[int]]) -> None:
+def _copy_rows(dst: AttentionViews, dst_at: tuple[torch.Tensor, torch.Tensor],
+               src: AttentionViews, src_at: tuple[torch.Tensor, torch.Tensor]) -> None:
     """`dst[dst_at[0][i], dst_at[1][i]] = src[src_at[0][i], src_at[1][i]]` for every row, K and V:
     one indexed copy each, on the destination's device."""
-    if not dst_at[0]:
+    if not len(dst_at[0]):
         return
-    into = tuple(_index(v, dst.keys.device) for v in dst_at)
-    out_of = tuple(_index(v, src.keys.device) for v in src_at)
+    into = tuple(v.to(dst.keys.device) for v in dst_at)
+    out_of = tuple(v.to(src.keys.device) for v in src_at)
     dst.keys[into] = src.keys[out_of].to(dst.keys.device)
     dst.values[into] = src.values[out_of].to(dst.values.device)
 
 
 def states_to_engine(pool: StateViews, engine: StateViews, pages: list[int],
                      blocks: list[int]) -> None:
-    if not pages:
-        return
-    device = engine.conv.device
-    src, dst = _index(pages, pool.conv.device), _index(blocks, device)
-    engine.conv[dst] = pool.conv[src].transpose(1, 2).to(device)
-    engine.recurrent[dst] = pool.recurrent[src].to(device)
+    _copy_states(engine, blocks, pool, pages)
 
 
 def states_to_pool(engine: StateViews, pool: StateViews, blocks: list[int],
                    pages: list[int]) -> None:
-    if not blocks:
+    _copy_states(pool, pages, engine, blocks)
+
+
+def _copy_states(dst: StateViews, dst_at: list[int], src: StateViews, src_at: list[int]) -> None:
+    """One indexed copy per part; the conv part is transposed, as the two layouts disagree on
+    it (`[kernel - 1, channels]` against `[channels, kernel - 1]`) and only on it."""
+    if not dst_at:
         return
-    device = pool.conv.device
-    src, dst = _index(blocks, engine.conv.device), _index(pages, device)
-    pool.conv[dst] = engine.conv[src].transpose(1, 2).to(device)
-    pool.recurrent[dst] = engine.recurrent[src].to(device)
+    device = dst.conv.device
+    into, out_of = _index(dst_at, device), _index(src_at, src.conv.device)
+    dst.conv[into] = src.conv[out_of].transpose(1, 2).to(device)
+    dst.recurrent[into] = src.recurrent[out_of].to(device)

@@ -12,13 +12,13 @@ token equal): at each such position every token both engines rank in their top 5
 must be: bfloat16 logits tie often, so which of the tied tokens make a top 5 is arbitrary) must
 have the same logprob within the position's tolerance; where the greedy tokens first differ, the
 reference engine must have ranked the served token within that tolerance of its own (a tie the
-rounding can flip), and the comparison stops there (the continuations differ from then on). The tolerance is `TOLERANCE` at
-the first token, which depends on the prompt only (the restored state and KV), and grows by
-`DRIFT_PER_TOKEN` per generated token after it, since decoding compounds the rounding: vLLM
-itself, in align mode with no hit at all, drifts from the cold engine by up to 0.17 nats by the
-8th token (measured on the tiny model). A state or KV page that is wrong moves the first token's
-distribution by far more (the tests corrupt conv rows, recurrent rows and attention rows, and
-check that each is caught).
+rounding can flip), and the comparison stops there (the continuations differ from then on). The
+tolerance is `TOLERANCE` at the first token, which depends on the prompt only (the restored
+state and KV), and grows by `DRIFT_PER_TOKEN` per generated token after it, since decoding
+compounds the rounding: vLLM itself, in align mode with no hit at all, drifts from the cold
+engine by up to 0.17 nats by the 8th token (measured on the tiny model). A state or KV page that
+is wrong moves the first token's distribution by far more (the tests corrupt conv rows,
+recurrent rows and attention rows, and check that each is caught).
 """
 
 from __future__ import annotations

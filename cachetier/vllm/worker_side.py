@@ -67,6 +67,7 @@ class ConnectorWorker:
         self._engine_attention: dict[int, list[AttentionViews]] = {}
         self._engine_state: dict[int, list[StateViews]] = {}
         self._mapping: _PoolMapping | None = None
+        self._epoch = 0  # the pool epoch last seen: pins of an older one are void
         self._load_errors: set[int] = set()
         self._report = WorkerReport()
 
@@ -80,6 +81,10 @@ class ConnectorWorker:
             else:
                 self._engine_state[g] = [engine_state_views(t, model) for t in tensors]
         self._map_pool()
+        try:
+            self._epoch = self._pool_epoch()
+        except Exception as exc:  # the first load's check learns it
+            log.warning("cachetier service not reachable yet: %s", exc)
 
     # -- the pool ----------------------------------------------------------------------------------
 
@@ -112,18 +117,18 @@ class ConnectorWorker:
         if not meta.loads:
             return
         begin = time.perf_counter()
+        jobs = [job for job in meta.loads if job.epoch >= self._epoch]
+        self._fail(job for job in meta.loads if job.epoch < self._epoch)  # known void: no copy
         try:
-            mapping = self._map_pool()
-            epoch = self._pool_epoch()
-            jobs = [job for job in meta.loads if job.epoch == epoch]
-            self._fail(job for job in meta.loads if job.epoch != epoch)
-            self._copy_loads(mapping, jobs)
-            if jobs and self._pool_epoch() != epoch:  # voided while we read: vouch for nothing
-                self._fail(jobs)
-                return
+            self._copy_loads(self._map_pool(), jobs)
+            # Epochs only grow: a pool still in a job's pin epoch after the copy was in it
+            # throughout, so its pins held and the bytes read are the pinned ones. One check
+            # per step, after the copies.
+            self._epoch = self._pool_epoch()
+            self._fail(job for job in jobs if job.epoch != self._epoch)
         except Exception as exc:
             log.warning("cachetier load failed, vLLM recomputes: %s", exc)
-            self._fail(meta.loads)
+            self._fail(jobs)
         finally:
             self._report.restore_ms += 1000 * (time.perf_counter() - begin)
 
@@ -132,10 +137,8 @@ class ConnectorWorker:
         attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
         linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
         for a, g in enumerate(attention):
-            rows = TokenRows.empty()
-            for job in jobs:
-                rows.add(job.local_tokens, job.hit_tokens, job.block_ids[g], block_tokens,
-                         job.mla_pages[a], page_tokens)
+            rows = TokenRows.of([(job.local_tokens, job.hit_tokens, job.block_ids[g],
+                                  job.mla_pages[a]) for job in jobs], block_tokens, page_tokens)
             for pool_view, engine_view in zip(mapping.attention, self._engine_attention[g]):
                 rows_to_engine(pool_view, engine_view, rows)
         for s, g in enumerate(linear):
@@ -204,10 +207,8 @@ class ConnectorWorker:
         attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
         linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
         for a, g in enumerate(attention):
-            rows = TokenRows.empty()
-            for job, plan in pairs:
-                rows.add(plan.start, plan.stop, job.block_ids[g], block_tokens,
-                         plan.mla_pages[a], page_tokens)
+            rows = TokenRows.of([(plan.start, plan.stop, job.block_ids[g], plan.mla_pages[a])
+                                 for job, plan in pairs], block_tokens, page_tokens)
             for engine_view, pool_view in zip(self._engine_attention[g], mapping.attention):
                 rows_to_pool(engine_view, pool_view, rows)
         with_state = [(job, plan) for job, plan in pairs
