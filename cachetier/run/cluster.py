@@ -34,6 +34,7 @@ from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, pa
 
 POOL = "pool0"
 _LISTENING = re.compile(rb"listening on (\S+)")
+_BRIDGING = re.compile(rb"published on (\S+)")
 _POLL_S = 0.05
 
 
@@ -50,6 +51,8 @@ class ClusterSettings:
     agents: int = 2
     port: int = 7400
     startup_timeout_s: float = 60.0  # agents import torch: seconds each on a small machine
+    # where `events vllm` republishes the pool's cache events as vLLM KV events (ZeroMQ), if set
+    kv_events_endpoint: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -182,6 +185,12 @@ class Cluster:
                                           "--handle-file", str(self.handle_file(rank)),
                                           *self._node_args()])
         asyncio.run(self._until_registered())
+        if self.settings.kv_events_endpoint is not None:
+            bridge = self._spawn("vllm-events", ["events", "vllm", *self._node_args(),
+                                                 "--pool", POOL, "--endpoint",
+                                                 self.settings.kv_events_endpoint,
+                                                 *self.settings.serve_config_args])
+            bridge.wait_for(_BRIDGING, self.settings.startup_timeout_s)
 
     def _node_args(self) -> list[str]:
         return ["--mqtt", self.mqtt.url]

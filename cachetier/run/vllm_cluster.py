@@ -21,9 +21,11 @@ from cachetier.vllm.info import connector_info, write_info
 def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
                           token: str | None = None, port: int = 7400, agents: int = 1,
                           pool_pages: int = 1024, hash_unit: int | None = None,
+                          kv_events_endpoint: str | None = None,
                           overrides: Sequence[tuple[str, str]] = ()) -> ClusterSettings:
     """The cluster whose pool is sized for `model_dir`'s vLLM layout
-    (`cachetier.vllm.geometry.config_for_model`), `overrides` (`--set` pairs) on top."""
+    (`cachetier.vllm.geometry.config_for_model`), `overrides` (`--set` pairs) on top; with
+    `kv_events_endpoint`, its cache events also go out there as vLLM KV events."""
     if agents != 1:
         raise ConfigError("--agents", "the vLLM connector serves engines of tensor-parallel "
                                       f"size 1: one agent, got {agents}")
@@ -37,7 +39,7 @@ def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     return ClusterSettings(run_dir=run_dir.resolve(), token=token or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
-                           port=port)
+                           port=port, kv_events_endpoint=kv_events_endpoint)
 
 
 def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> int:
@@ -46,7 +48,8 @@ def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> i
     def job(cluster: Cluster) -> None:
         info = connector_info(service=cluster.service_url, token=settings.token, pool=POOL,
                               handle_file=cluster.handle_file(0), model_dir=model_dir,
-                              config=settings.config)
+                              config=settings.config,
+                              kv_events_endpoint=settings.kv_events_endpoint)
         try:
             write_info(info_path, info)
             say(f"engines: {info_path} (LLM(model={model_dir}, **engine_args, "

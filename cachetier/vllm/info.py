@@ -3,7 +3,9 @@
 `kv_transfer_config` goes unchanged to `LLM(kv_transfer_config=...)` (or, as JSON, to `vllm serve
 --kv-transfer-config`) and `engine_args` are every other engine argument the connector relies on,
 so `LLM(model=MODEL_DIR, **engine_args, kv_transfer_config=KVTransferConfig(**kv_transfer_config))`
-is the whole set-up. The file appears once the cluster is ready (written whole, then renamed) and is
+is the whole set-up; `vllm_serve_args` are the same two as `vllm serve` flags (`vllm serve MODEL_DIR
+$(jq -r '.vllm_serve_args[]' FILE)`); `kv_events_endpoint`, where given, is the ZeroMQ endpoint the
+pool's cache events are published on as vLLM KV events, for a router (None otherwise). The file appears once the cluster is ready (written whole, then renamed) and is
 removed when it stops, so an engine never reads the address of a cluster that is gone.
 """
 
@@ -24,14 +26,30 @@ CONNECTOR = {"kv_connector": "CacheTierConnector", "kv_connector_module_path": "
 
 
 def connector_info(*, service: str, token: str, pool: str, handle_file: Path, model_dir: Path,
-                   config: Config) -> dict[str, Any]:
+                   config: Config, kv_events_endpoint: str | None = None) -> dict[str, Any]:
     model_id = model_fingerprint(model_dir)
     extra = {"service": service, "token": token, "pool": pool, "handle_file": str(handle_file),
              "model_id": model_id}
+    transfer = {**CONNECTOR, "kv_connector_extra_config": extra}
+    engine_args = engine_args_for(config)
     return {"service": service, "token": token, "pool": pool, "model": str(model_dir),
             "model_id": model_id, "handle_file": str(handle_file),
-            "kv_transfer_config": {**CONNECTOR, "kv_connector_extra_config": extra},
-            "engine_args": engine_args_for(config)}
+            "kv_transfer_config": transfer, "engine_args": engine_args,
+            "vllm_serve_args": serve_flags(engine_args, transfer),
+            "kv_events_endpoint": kv_events_endpoint}
+
+
+def serve_flags(engine_args: dict[str, Any], transfer: dict[str, Any]) -> list[str]:
+    """`engine_args` and the connector as `vllm serve` command-line flags (vLLM spells each
+    engine argument `--name-with-dashes`, a boolean `--name` or `--no-name`)."""
+    flags = ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    for name, value in engine_args.items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", str(value)]
+    return flags
 
 
 def write_info(path: Path, info: dict[str, Any]) -> None:

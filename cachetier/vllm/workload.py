@@ -2,7 +2,8 @@
 
 Sessions start from one of a few shared system prompts; each turn's prompt is the previous
 prompt, the assistant's answer (synthetic tokens: the workload must not depend on what a random
-model says) and a new user message. Some sessions fork from another session's turn (a retry or a
+model says), a tool's output where the spec asks for one (an agent reading a file or a search
+result: `tool_tokens`, none by default) and a new user message. Some sessions fork from another session's turn (a retry or a
 parallel tool call): their first prompt is that turn's prompt plus a new message. Requests are
 sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin: session `s`
 goes to engine `(s + t) % K` in round `t`, so a session's successive turns land on different
@@ -31,6 +32,7 @@ class WorkloadSpec:
     system_tokens: int = 2350
     user_tokens: tuple[int, int] = (150, 500)
     answer_tokens: int = 64
+    tool_tokens: tuple[int, int] = (0, 0)
     vocab: int = 512
     seed: int = 0
 
@@ -53,15 +55,19 @@ def build(spec: WorkloadSpec) -> list[list[Request]]:
     def message() -> list[int]:
         return draw(rng.randint(*spec.user_tokens))
 
+    def answer() -> list[int]:
+        tool = draw(rng.randint(*spec.tool_tokens)) if spec.tool_tokens[1] else []
+        return draw(spec.answer_tokens) + tool
+
     systems = [draw(spec.system_tokens + 97 * i) for i in range(spec.systems)]
     sessions = [[systems[i % spec.systems] + message()] for i in range(spec.sessions)]
     for prompts in sessions:
         for _ in range(1, spec.turns):
-            prompts.append(prompts[-1] + draw(spec.answer_tokens) + message())
+            prompts.append(prompts[-1] + answer() + message())
     for f in range(spec.forks):  # another answer to a session's first turn, one round later
-        fork = [sessions[f % spec.sessions][0] + draw(spec.answer_tokens) + message()]
+        fork = [sessions[f % spec.sessions][0] + answer() + message()]
         for _ in range(2, spec.turns):
-            fork.append(fork[-1] + draw(spec.answer_tokens) + message())
+            fork.append(fork[-1] + answer() + message())
         sessions.append(fork)
     rounds: list[list[Request]] = []
     for turn in range(spec.turns):
