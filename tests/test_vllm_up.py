@@ -30,9 +30,10 @@ def test_vllm_is_the_pinned_release() -> None:
 def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir: Path,
                                                                       tmp_path: Path) -> None:
     info, run_dir = tmp_path / "tier.json", tmp_path / "run"
+    events = f"ipc://{tmp_path / 'events.ipc'}"
     up = subprocess.Popen([sys.executable, "-m", "cachetier.cli", "up", "--vllm-model",
-                           str(model_dir),
-                           "--info", str(info), "--port", "0", "--run-dir", str(run_dir)],
+                           str(model_dir), "--info", str(info), "--port", "0", "--run-dir",
+                           str(run_dir), "--kv-events-endpoint", events],
                           stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -50,7 +51,9 @@ def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir:
         assert Path(extra["handle_file"]).exists()  # the agent has published its pool
         assert details["engine_args"]["block_size"] == 1152
         assert details["engine_args"]["prefix_match_unit"] == 1152
+        assert details["kv_events_endpoint"] == events
         pids = json.loads((run_dir / "pids.json").read_text())
+        assert "vllm-events" in pids  # the bridge runs as a child of the cluster
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
     finally:

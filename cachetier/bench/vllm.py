@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or write_tiny_qwen3_next(workdir / "model")
         settings = vllm_cluster_settings(model, run_dir=workdir / "cluster", port=0,
                                          pool_pages=1024, hash_unit=args.hash_unit)
+        capacity = _capacity(args, rounds)
         started = time.perf_counter()
         with Cluster(settings) as cluster:
             info = workdir / "info.json"
@@ -95,10 +96,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             pool=POOL, handle_file=cluster.handle_file(0),
                                             model_dir=model, config=settings.config))
             tiered = _serve(model, workdir, "tier", rounds, args, info=info,
-                            engine_args=_capacity(args))
+                            engine_args=capacity)
         # the baseline: the connector's engine arguments (align mode, same block and hash unit)
         local = _serve(model, workdir, "local", rounds, args, info=None,
-                       engine_args={**engine_args_for(settings.config), **_capacity(args)})
+                       engine_args={**engine_args_for(settings.config), **capacity})
         cold = _serve(model, workdir, "cold", [[r] for batch in rounds for r in batch],
                       args, info=None, engine_args={}, engines=1)
         if args.work_dir is not None:
@@ -109,10 +110,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "engine_blocks": args.engine_blocks, "tool_tokens": list(args.tool_tokens)}
 
 
-def _capacity(args: argparse.Namespace) -> dict[str, Any]:
+def _capacity(args: argparse.Namespace, rounds: list[list[Request]]) -> dict[str, Any]:
+    """The engine arguments of `--engine-blocks`: vLLM refuses a cache that cannot hold one
+    sequence of its maximum length, so that length is the workload's longest."""
     if args.engine_blocks is None:
         return {}
-    return {"num_gpu_blocks_override": args.engine_blocks}
+    longest = max(len(r.prompt) for batch in rounds for r in batch) + args.max_tokens
+    return {"num_gpu_blocks_override": args.engine_blocks, "max_model_len": longest}
 
 
 @contextlib.contextmanager

@@ -1,13 +1,13 @@
 """The info file of `cachetier up --vllm-model`: everything an engine needs to use the cluster.
 
 `kv_transfer_config` goes unchanged to `LLM(kv_transfer_config=...)` (or, as JSON, to `vllm serve
---kv-transfer-config`) and `engine_args` are every other engine argument the connector relies on,
-so `LLM(model=MODEL_DIR, **engine_args, kv_transfer_config=KVTransferConfig(**kv_transfer_config))`
-is the whole set-up; `vllm_serve_args` are the same two as `vllm serve` flags (`vllm serve MODEL_DIR
+--kv-transfer-config`) and `engine_args` are every other engine argument the connector relies on, so
+`LLM(model=MODEL_DIR, **engine_args, kv_transfer_config=KVTransferConfig(**kv_transfer_config))` is
+the whole set-up; `vllm_serve_args` are the same two as `vllm serve` flags (`vllm serve MODEL_DIR
 $(jq -r '.vllm_serve_args[]' FILE)`); `kv_events_endpoint`, where given, is the ZeroMQ endpoint the
-pool's cache events are published on as vLLM KV events, for a router (None otherwise). The file appears once the cluster is ready (written whole, then renamed) and is
-removed when it stops, so an engine never reads the address of a cluster that is gone.
-"""
+pool's cache events are published on as vLLM KV events, for a router (None otherwise). The file
+appears once the cluster is ready (written whole, then renamed) and is removed when it stops, so an
+engine never reads the address of a cluster that is gone. """
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """An agentic multi-turn workload for several engines behind round-robin routing.
 
-Sessions start from one of a few shared system prompts; each turn's prompt is the previous
-prompt, the assistant's answer (synthetic tokens: the workload must not depend on what a random
-model says), a tool's output where the spec asks for one (an agent reading a file or a search
-result: `tool_tokens`, none by default) and a new user message. Some sessions fork from another session's turn (a retry or a
-parallel tool call): their first prompt is that turn's prompt plus a new message. Requests are
-sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin: session `s`
-goes to engine `(s + t) % K` in round `t`, so a session's successive turns land on different
-engines and each round spreads the sessions evenly; each engine gets its share of a round as one
-batch.
+Sessions start from one of a few shared system prompts; each turn's prompt is the previous prompt,
+the assistant's answer (synthetic tokens: the workload must not depend on what a random model says),
+a tool's output where the spec asks for one (an agent reading a file or a search result:
+`tool_tokens`, none by default) and a new user message. Some sessions fork from another session's
+turn (a retry or a parallel tool call): their first prompt is that turn's prompt plus a new message.
+Requests are sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin:
+session `s` goes to engine `(s + t) % K` in round `t`, so a session's successive turns land on
+different engines and each round spreads the sessions evenly; each engine gets its share of a round
+as one batch.
 
 `oracle_hit_tokens` is the ideal reuse at the tier's hash-block granularity: every request reuses
 its longest prefix shared with any request routed before it, at the deepest hash-block boundary
