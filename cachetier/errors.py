@@ -140,6 +140,14 @@ class CopyTimeout(AgentLost):
     code = ErrorCode.COPY_TIMEOUT
 
 
+class StaleOrder(CacheTierError):
+    """A copy or a write planned in an epoch the pool's agent has fenced off: its pages may
+    belong to another request now (`gpu_pool.fence`). Planning again gets current pages."""
+
+    code = ErrorCode.STALE_EPOCH
+    retryable = True
+
+
 class CopyFailed(CacheTierError):
     code = ErrorCode.COPY_FAILED
     retryable = True

@@ -13,6 +13,13 @@ accepted have finished (`serve_requests` waits for them), so a service that drop
 over a slow batch is served again only when that batch can no longer land on pages the service
 has handed out since. Its first registration carries no epoch: its bytes are new, so the service
 starts a new epoch for the pool.
+
+Every order carries the epoch it was planned in, and the agent fences the data path
+(`gpu_pool.fence`): told to by a `Fence` (or by an order of a newer epoch), it refuses orders
+of older epochs from then on, waits for those running and for the in-place writers of the pool
+(workers attached through the handle), and only then acknowledges. The service hands out a new
+epoch's pages only after every rank's acknowledgement, so no writer of a voided epoch touches
+them.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import pickle
 import random
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +41,10 @@ from cachetier.errors import (BrokenStream, CacheTierError, ConnectionLost, Remo
                               RequestTimeout, error_info)
 from cachetier.wire.channel import exchange, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
-from cachetier.wire.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fetch,
-                                     Hello, Register, Registered)
+from cachetier.wire.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fence,
+                                     Fetch, Hello, Register, Registered)
 from gpu_pool import PageLayout, PagedPool, PoolHandle
+from gpu_pool.fence import OrderFence
 from gpu_pool.observer import AgentObserver
 from gpu_pool.streams import PageMove
 from gpu_pool.transfer import PageServer, pull
@@ -78,6 +87,7 @@ class Agent:
         self.epoch: int | None = None
         self.registered = asyncio.Event()
         self._copying = asyncio.Lock()
+        self.fence = OrderFence()
         self._pages = PageServer(lambda: self.pool, settings.token, settings.max_frame)
 
     def handle(self) -> PoolHandle:
@@ -151,6 +161,7 @@ class Agent:
         if self.pool is None:
             self.pool = PagedPool.create(model, cache, self.settings.device,
                                          debug=self.settings.debug)
+            self.fence.writers = self.pool.fence
             self._publish_handle()
         elif (self.pool.layout.model, self.pool.layout.cache) != (model, cache):
             raise ConfigMismatch(f"a service sent another geometry for pool {self.settings.pool}")
@@ -163,7 +174,9 @@ class Agent:
         temporary.write_bytes(pickle.dumps(self.handle()))
         temporary.replace(path)  # a worker never reads a half-written handle
 
-    async def _serve_op(self, message: CopyBatch | Fetch) -> int | None:
+    async def _serve_op(self, message: CopyBatch | Fence | Fetch) -> int | None:
+        if isinstance(message, Fence):
+            return await self.fence.advance(message.epoch)
         if isinstance(message, Fetch):
             return await self._fetch(message)
         return await self._copy(message)
@@ -175,14 +188,15 @@ class Agent:
             raise RuntimeError("fetch before registration")
         src = PageLayout.from_specs(order.src_model, order.src_cache)
         moves = [PageMove.parse(*row) for row in order.moves]
-        received = await pull(self.pool, self.settings.rank, src, order.sources, moves,
-                              self.settings.token, max_frame=self.settings.max_frame)
+        async with self.fence.order(order.epoch):
+            received = await pull(self.pool, self.settings.rank, src, order.sources, moves,
+                                  self.settings.token, max_frame=self.settings.max_frame)
         self.epoch = order.epoch
         return received
 
     async def _copy(self, batch: CopyBatch) -> None:
-        async with self._copying:  # one batch at a time, whichever replica sent it
-            await asyncio.to_thread(self._run_copies, batch)
+        async with self.fence.order(batch.epoch), self._copying:  # one batch at a time
+            await _to_the_end(asyncio.to_thread(self._run_copies, batch))
         self.epoch = batch.epoch
 
     def _run_copies(self, batch: CopyBatch) -> None:
@@ -199,6 +213,17 @@ class Agent:
             self.settings.handle_file.unlink(missing_ok=True)
         if self.pool is not None:
             self.pool.close()
+
+
+async def _to_the_end(work: Awaitable[None]) -> None:
+    """Await `work`, and if cancelled, still wait for it before leaving: a copy thread cannot be
+    stopped, and its order must count as running (`OrderFence`) until its last byte lands."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -7,12 +7,15 @@ shared or owned by whom is decided by the control plane, never here.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from cachetier.config import CacheSpec, ModelSpec
+from gpu_pool.fence import WriterFence
 from gpu_pool.layout import PageKind, PageLayout
 from gpu_pool.sharing import CudaIpc, HostShm
 
@@ -30,6 +33,7 @@ class PoolHandle:
     debug: bool
     data: HostShm | CudaIpc
     tags: HostShm
+    fence: HostShm  # the writers' epoch fence (`gpu_pool.fence.WriterFence`)
 
 
 class PagedPool:
@@ -45,6 +49,7 @@ class PagedPool:
         self.debug = handle.debug
         self._handle = handle
         self._tags = handle.tags.open()
+        self.fence = WriterFence(handle.fence.path)
         self._cleanup = weakref.finalize(self, _unlink, handle) if owner else None
 
     @classmethod
@@ -56,12 +61,14 @@ class PagedPool:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"unsupported pool device {device}; expected cpu or cuda")
         tags = HostShm.create(layout.num_pages, "cachetier-tags")
+        fence = HostShm.create(8, "cachetier-fence")
         try:
             data, flat = _allocate(layout.buffer_bytes, device)
         except BaseException:
             tags.unlink()
+            fence.unlink()
             raise
-        return cls(PoolHandle(model, cache, debug, data, tags), flat, owner=True)
+        return cls(PoolHandle(model, cache, debug, data, tags, fence), flat, owner=True)
 
     @classmethod
     def attach(cls, handle: PoolHandle) -> PagedPool:
@@ -81,6 +88,17 @@ class PagedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @contextlib.contextmanager
+    def writing(self, epoch: int) -> Iterator[None]:
+        """Write pages of a plan of `epoch` in place: refused (`StaleOrder`) once the agent has
+        fenced that epoch off, and the fence waits for the section to end; on a GPU the
+        section ends once the current stream has finished its writes. Hold it around the writes
+        only, never across a call to the service (`gpu_pool.fence`)."""
+        with self.fence.writing(epoch):
+            yield
+            if self.buffer.is_cuda:
+                torch.cuda.current_stream(self.buffer.device).synchronize()
 
     @property
     def device(self) -> torch.device:
@@ -159,5 +177,6 @@ def _head_bounds(heads: slice | None, count: int) -> tuple[int, int]:
 
 def _unlink(handle: PoolHandle) -> None:
     handle.tags.unlink()
+    handle.fence.unlink()
     if isinstance(handle.data, HostShm):
         handle.data.unlink()

@@ -20,8 +20,9 @@ from cachetier.config import CacheSpec, Config
 from cachetier.errors import ErrorCode, RemoteError
 from cachetier.wire.channel import Channel
 from cachetier.wire.framing import Endpoint, FramedStream
-from cachetier.wire.protocol import (PROTOCOL_VERSION, AgentIdentity, CopyBatch, Hello, Register,
-                                     Registered, Welcome, ok_frame, op_table, parse_request)
+from cachetier.wire.protocol import (PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fence, Hello,
+                                     Register, Registered, Welcome, ok_frame, op_table,
+                                     parse_request)
 from gpu_pool import PagedPool
 from gpu_pool.agent import Agent, AgentSettings
 from gpu_pool.observer import AgentObserver
@@ -103,6 +104,22 @@ async def test_a_bad_batch_is_refused_and_the_agent_keeps_serving(scripted, agen
         await channel.request(CopyBatch(5, [(1, TINY.cache.num_pages, 0, 64)]))
     assert err.value.code == ErrorCode.BAD_REQUEST and "dst_page" in str(err.value)
     await channel.request(CopyBatch(5, [(1, 2, 0, 64)]))
+
+
+async def test_a_fence_refuses_the_batches_of_older_epochs_and_leaves_their_pages_alone(
+        scripted, agent_of):
+    channel = await scripted.next_agent()
+    view = PagedPool.attach(agent_of.handle())
+    fill(view, 1, seed=1)
+    assert await channel.request(Fence(7)) == 7
+    assert view.fence.epoch() == 7  # the in-place writers' fence moved with it
+    with pytest.raises(RemoteError) as err:
+        await channel.request(CopyBatch(6, [(1, 2, 0, PAGE_BYTES)]))
+    assert err.value.code == ErrorCode.STALE_EPOCH and err.value.retryable
+    assert not view.buffer[:, 2].any()
+    assert await channel.request(Fence(6)) == 7  # never lowered
+    await channel.request(CopyBatch(8, [(1, 2, 0, PAGE_BYTES)]))  # a newer epoch fences first
+    assert view.fence.epoch() == 8 and view.buffer[:, 2].any()
 
 
 async def test_the_agent_reconnects_as_the_same_process_with_its_bytes(scripted, agent_of):

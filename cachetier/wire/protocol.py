@@ -99,6 +99,16 @@ class CopyBatch:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """Refuse every copy and write of an epoch before `epoch` from now on, and acknowledge once
+    those under way have finished (`gpu_pool.fence`); the reply is the agent's fence epoch."""
+
+    op: ClassVar[str] = "fence"
+    reply: ClassVar[Any] = int
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Fetch:
     """Pull pages of another pool into this rank's pages: `sources[r]` is the page server of the
     source pool's rank r, `src_model`/`src_cache` its geometry (the TP degree may differ), each
@@ -256,7 +266,7 @@ def op_table(*messages: type) -> dict[str, type]:
 
 
 CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health, Route, Pin, Handoff)
-AGENT_OPS = op_table(CopyBatch, Fetch)
+AGENT_OPS = op_table(CopyBatch, Fence, Fetch)
 
 
 @dataclass(frozen=True)
