@@ -183,7 +183,7 @@ class Agents:
                 assert agent.alive(), f"agent {agent.pid} exited; see {self.tmp}"
                 await asyncio.sleep(0.01)
         handle = pickle.loads(agent.handle_file.read_bytes())
-        agent.shm = [handle.data.path, handle.tags.path]
+        agent.shm = [handle.data.path, handle.tags.path, handle.fence.path]
         agent.view = PagedPool.attach(handle)
         return agent.view
 
@@ -348,16 +348,18 @@ def check_hit(view: PagedPool, step: RequestPlan, tokens: list[int]) -> None:
                 f"{step.rid}: tokens {first}..{first + n} of the hit are not in MLA page {page}"
 
 
-def forward(view: PagedPool, step: RequestPlan, tokens: list[int]) -> int:
-    """The forward pass: token values into the MLA pages, the state pattern into the
-    checkpoint pages; returns the checkpoint boundary it wrote (commit_item's)."""
-    for group in step.mla_pages:
-        for pos in range(step.start, step.stop):
-            view.mla_view(group[pos // PAGE])[:, pos % PAGE, :] = float(tokens[pos])
+def forward(view: PagedPool, epoch: int, step: RequestPlan, tokens: list[int]) -> int:
+    """The forward pass of a plan of `epoch`, under the pool's fence as a worker writes: token
+    values into the MLA pages, the state pattern into the checkpoint pages; returns the
+    checkpoint boundary it wrote (commit_item's)."""
     ck = commit_item(step, step.stop, True, True, BLOCK).checkpoint_tokens
-    if ck:
-        for group, page in enumerate(step.checkpoint_pages):
-            view.buffer[:, page] = state_pattern(tokens[:ck], group, view.buffer.shape[-1])
+    with view.writing(epoch):
+        for group in step.mla_pages:
+            for pos in range(step.start, step.stop):
+                view.mla_view(group[pos // PAGE])[:, pos % PAGE, :] = float(tokens[pos])
+        if ck:
+            for group, page in enumerate(step.checkpoint_pages):
+                view.buffer[:, page] = state_pattern(tokens[:ck], group, view.buffer.shape[-1])
     return ck
 
 
@@ -371,7 +373,7 @@ class Tally:
     last_ok: float = 0.0
 
     def failed(self, op: str, exc: BaseException) -> None:
-        if isinstance(exc, RemoteError) and exc.retryable:
+        if isinstance(exc, CacheTierError) and exc.retryable:
             self.retryable[exc.code] = self.retryable.get(exc.code, 0) + 1
         else:
             self.bad.append(f"{op}: {type(exc).__name__}: {exc}")
@@ -407,7 +409,7 @@ async def one_request(tier: CacheTierClient, chaos: Chaos, rid: str, tokens: lis
         if step.hit_tokens:
             check_hit(view, step, tokens)
         op = "commit"
-        forward(view, step, tokens)
+        forward(view, plan.epoch, step, tokens)
         done = await tier.commit(POOL, [commit_item(step, step.stop, True, True, BLOCK)])
         op = "confirm"
         await tier.confirm(POOL, done.ticket)

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachetier.client import CacheTierClient
-from cachetier.errors import ErrorCode, ErrorInfo, PeerClosed, RemoteError
+from cachetier.errors import CacheTierError, ErrorCode, ErrorInfo, PeerClosed, RemoteError
 from cachetier.events.cache_events import AllBlocksCleared, BlockStored, EventSubscriber
 from cachetier.events.liveness import LivenessWatcher
 from cachetier.run.nodes import run_agent, run_service
@@ -54,11 +54,16 @@ DOC = [11 + (7 * i) % 1000 for i in range(400)]
 
 
 class ScriptedAgent:
-    """An agent at the protocol level that answers copy batches as the test says."""
+    """An agent at the protocol level that answers copy batches as the test says. Fences are
+    acknowledged as a real agent with nothing in flight does, by a reader of its own that hands
+    every other frame to `next_copy`."""
 
     def __init__(self, stream: FramedStream, registered: Registered) -> None:
         self.stream = stream
         self.registered = registered
+        self.fences: list[int] = []
+        self._frames: asyncio.Queue[Any] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
 
     @classmethod
     async def register(cls, stream: FramedStream, pool: str = "p",
@@ -67,8 +72,21 @@ class ScriptedAgent:
         registered = await exchange(stream, 1, Register(pool, 0, 1, "scripted", epoch))
         return cls(stream, registered)
 
+    async def _read(self) -> None:
+        try:
+            while True:
+                frame = await self.stream.read()
+                if frame.get("op") == "fence":
+                    self.fences.append(frame["epoch"])
+                    await self.stream.send(ok_frame(frame["id"], frame["epoch"]))
+                else:
+                    await self._frames.put(frame)
+        except (CacheTierError, OSError):  # closed by either side
+            await self._frames.put(None)
+
     async def next_copy(self) -> tuple[int, CopyBatch]:
-        frame = await asyncio.wait_for(self.stream.read(), 10)
+        frame = await asyncio.wait_for(self._frames.get(), 10)
+        assert frame is not None, "the service closed the connection"
         return frame["id"], parse_request(frame, {"copy": CopyBatch})
 
     async def ack(self, rid: int) -> None:
@@ -78,7 +96,8 @@ class ScriptedAgent:
         await self.stream.send(error_frame(rid, ErrorInfo(ErrorCode.BAD_REQUEST, message, False)))
 
     async def closed_by_service(self) -> bool:
-        return await closed(self.stream)
+        """Whether the service closes the connection (within 10 s) rather than sending a frame."""
+        return await asyncio.wait_for(self._frames.get(), 10) is None
 
 
 async def closed(stream: FramedStream) -> bool:

@@ -8,7 +8,9 @@ request's first step starts at its cache hit; later steps continue its chunked p
 session's next turn is sent once its previous turn is done, after its think time, so sessions
 interleave within steps and later turns hit what earlier ones left. The steps go through
 `index.lifecycle.RequestLifecycle` over the pool's `TierPool`, so a run that fails (a refused
-single request, a forward pass that raises) releases every request it had in flight.
+single request, a forward pass that raises) releases every request it had in flight. The pass
+writes under each rank's epoch fence (`PagedPool.writing`): a step whose epoch an agent has
+fenced off since its plan fails with `StaleOrder` instead of writing pages handed out anew.
 
 With `verify`, every finished request's outputs (those it computed, from the hit on) are compared
 with a cold recompute of the same tokens: the oracle that says the cache served exactly the state
@@ -18,6 +20,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -154,8 +157,11 @@ class PrefillScheduler:
         self.step_count += 1
         by_rid = {r.rid: r for r in batch}
         planned = [(by_rid[p.rid], p) for p in plan.requests]
-        outputs = self.model.forward(self.ranks, [ChunkRequest.from_plan(p, r.tokens)
-                                                 for r, p in planned])
+        with contextlib.ExitStack() as writing:  # every rank fenced for the plan's epoch
+            for rank in self.ranks:
+                writing.enter_context(rank.writing(plan.epoch))
+            outputs = self.model.forward(self.ranks, [ChunkRequest.from_plan(p, r.tokens)
+                                                     for r, p in planned])
         items = [self._advance(r, p, out) for (r, p), out in zip(planned, outputs)]
         await steps.finish(items)
         finished = [r for r in batch if r.done]

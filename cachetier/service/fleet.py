@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from cachetier.errors import (AgentLost, AgentUnavailable, CacheTierError, ConnectionLost,
                               CopyFailed, CopyTimeout, RemoteError)
 from cachetier.wire.channel import Channel
-from cachetier.wire.protocol import AgentIdentity, CopyBatch
+from cachetier.wire.protocol import AgentIdentity, CopyBatch, Fence
 
 
 @dataclass(eq=False)
@@ -28,6 +28,7 @@ class AgentLink:
     channel: Channel
     data_url: str = ""  # where peers pull this rank's pages
     loss: asyncio.Task[None] | None = None  # the service's handling of this link's loss, once
+    fenced: int = 0  # the agent has fenced off every epoch before this one (`gpu_pool.fence`)
 
     @property
     def rank(self) -> int:
@@ -36,23 +37,40 @@ class AgentLink:
     async def copy(self, batch: CopyBatch) -> None:
         await self.channel.request(batch)
 
+    async def fence(self, epoch: int) -> None:
+        self.fenced = max(self.fenced, await self.channel.request(Fence(epoch)))
+
+
+async def fence_links(links: list[AgentLink], epoch: int, timeout: float) -> None:
+    """Every rank has fenced off the epochs before `epoch`: no copy or write planned in one of
+    them runs any more, so the pages `epoch` hands out are its own. A link that acknowledged
+    it once is not asked again; the errors are `run_copies`'."""
+    late = [link for link in links if link.fenced < epoch]
+    if late:
+        await _on_every_rank(late, lambda link: link.fence(epoch), timeout, "a fence")
+
 
 async def run_copies(links: list[AgentLink], batch: CopyBatch, timeout: float) -> None:
     """Run `batch` on every rank and wait for all acks. `CopyTimeout` and `AgentLost` name the
     ranks that missed the deadline or dropped; `CopyFailed` is an agent refusing the batch."""
-    tasks = [asyncio.create_task(link.copy(batch)) for link in links]
+    await _on_every_rank(links, lambda link: link.copy(batch), timeout, "a copy batch")
+
+
+async def _on_every_rank(links: list[AgentLink], send: Callable[[AgentLink], Awaitable[None]],
+                         timeout: float, what: str) -> None:
+    tasks = [asyncio.create_task(send(link)) for link in links]
     try:
         async with asyncio.timeout(timeout):
             await asyncio.gather(*tasks)
     except TimeoutError:
         late = [link.rank for link, task in zip(links, tasks, strict=True) if task.cancelled()]
-        raise CopyTimeout(f"ranks {late} did not ack a copy batch within {timeout:g} s",
+        raise CopyTimeout(f"ranks {late} did not ack {what} within {timeout:g} s",
                           late) from None
     except ConnectionLost as exc:
         dropped = [link.rank for link, task in zip(links, tasks, strict=True) if _dropped(task)]
-        raise AgentLost(f"ranks {dropped} dropped during a copy batch: {exc}", dropped) from exc
+        raise AgentLost(f"ranks {dropped} dropped during {what}: {exc}", dropped) from exc
     except RemoteError as exc:
-        raise CopyFailed(f"an agent refused the copy batch: {exc}") from exc
+        raise CopyFailed(f"an agent refused {what}: {exc}") from exc
     finally:
         for task in tasks:
             task.cancel()

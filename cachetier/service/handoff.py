@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from cachetier.config import Config
 from cachetier.errors import BadMessage, CodedError, CopyFailed, ErrorCode, ErrorInfo, RemoteError
-from cachetier.service.fleet import AgentLink, StepGuard, run_copies
+from cachetier.service.fleet import AgentLink, StepGuard, fence_links, run_copies
 from cachetier.wire.protocol import CopyBatch, Fetch, HandoffReply
 from gpu_pool.layout import PageKind
 from gpu_pool.streams import PageMove
@@ -103,6 +103,7 @@ async def _fetch(links: list[AgentLink], fetch: Fetch, timeout: float) -> None:
 
 async def _run_plan_copies(dst: PoolSide, plan: StepPlan, timeout: float) -> None:
     dst.guard.check()
+    await fence_links(dst.links, plan.epoch, timeout)  # before any write: copies, the fetch
     rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
     if rows:
         await run_copies(dst.links, CopyBatch(plan.epoch, rows), timeout)

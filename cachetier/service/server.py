@@ -6,8 +6,9 @@ each (pool, rank) here, and which steps wait on them), so several replicas can r
 each agent connected to all of them, and a restarted replica rebuilds everything from the
 agents' registrations.
 
-A step (`plan`) is: the plan script; the copy list to every rank's agent; their acks; the confirm
-script; the answer. Anything failing after the plan script releases the step's requests and
+A step (`plan`) is: the plan script; the first time in its epoch, a fence on every rank's agent
+(`fleet.fence_links`: no writer of an older epoch can still touch the pages it hands out); the
+copy list to every rank's agent; their acks; the confirm script; the answer. Anything failing after the plan script releases the step's requests and
 answers a retryable error. An agent whose connection drops, times out or is reported dead
 (`agent_lost`, also called by the liveness watcher) fails its pool's steps in flight here and
 starts a new epoch: nothing cached before can be matched against bytes that may be gone.
@@ -34,7 +35,7 @@ from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError,
                               ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
                               error_info)
 from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
-from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, run_copies
+from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.observer import ServiceObserver
 from cachetier.wire.channel import Channel, send_error, serve_requests
@@ -373,6 +374,9 @@ class CacheTierService:
         step's requests, so the failed step is answered in the new epoch, retryable."""
         try:
             guard.check()
+            # no page of this plan is written (copies, the caller's pass) before every rank has
+            # fenced off older epochs, whose late writers could land in the same page ids
+            await fence_links(links, plan.epoch, self.settings.copy_timeout_s)
             rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
             if rows:
                 await run_copies(links, CopyBatch(plan.epoch, rows), self.settings.copy_timeout_s)

@@ -9,7 +9,10 @@ copies, so a hit made void while it was read (an agent lost, the pool invalidate
 vLLM as failed blocks, which it recomputes, instead of serving bytes nobody vouches for.
 
 The agent's handle file is re-read when it changes (a restarted agent holds a new segment); a
-save planned across such a change is abandoned.
+save planned across such a change is abandoned. A save writes under the agent's epoch fence
+(`PagedPool.writing`, `gpu_pool.fence`): a save whose epoch was voided after its plan is refused
+before its first byte (its pages may be another request's by then), and the agent's fence waits
+for a save under way; loads only read.
 """
 
 from __future__ import annotations
@@ -190,7 +193,8 @@ class ConnectorWorker:
                 raise RuntimeError("the agent changed during the save")
             planned = {p.rid: p for p in plan.requests}
             pairs = [(job, planned[rid]) for rid, job in zip(rids, meta.saves)]
-            self._copy_saves(mapping, pairs)
+            with mapping.pool.writing(plan.epoch):  # refused once the agent fenced it off
+                self._copy_saves(mapping, pairs)
             items = [self._commit_item(job, p) for job, p in pairs]
             self.tier.call(lambda c: _commit(c, pool, items), self.settings.timeout_s)
         except Exception as exc:
@@ -218,8 +222,6 @@ class ConnectorWorker:
             pages = [plan.checkpoint_pages[s] for _, plan in with_state]
             for engine_view, pool_view in zip(self._engine_state[g], mapping.state):
                 states_to_pool(engine_view, pool_view, blocks, pages)
-        if mapping.pool.buffer.is_cuda:
-            torch.cuda.current_stream(mapping.pool.buffer.device).synchronize()
 
     def _commit_item(self, job: SaveJob, plan: RequestPlan) -> CommitItem:
         if not plan.checkpoint_pages or plan.checkpoint_tokens != job.boundary:

@@ -1,0 +1,197 @@
+"""The data path's epoch fence (issue 14, wrong hit 1): a writer planned in a voided epoch never
+lands in the page ids the next epoch hands out.
+
+The zombie sequence, replayed deterministically with the real service, a real agent and a worker
+attached to its pool: a request is planned in epoch N; the pool's epoch is bumped while its
+agent lives on (a liveness "offline", or another replica losing its link); a request of the new
+epoch gets the same page ids, writes them, commits and confirms; the old request's writer writes
+late; a hit on the new request must read its bytes, not the zombie's. Once with the zombie as a
+worker writing in place, once as a copy batch of another service replica that arrives late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+from cachetier.client import CacheTierClient
+from cachetier.errors import ErrorCode, RemoteError, StaleOrder
+from cachetier.service.fleet import AgentLink
+from cachetier.wire.protocol import CopyBatch
+from gpu_pool import PagedPool
+from gpu_pool.fence import OrderFence
+from index.records import RequestPlan, StepPlan
+from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, eventually,
+                                   running_agent, running_service)
+from tests.index_harness import commit_item, new_request, only
+
+DOC = [7 + (11 * i) % 900 for i in range(300)]
+ZOMBIE, FRESH = DOC[:100], [5000 + t for t in DOC[:100]]
+
+
+def pattern(tokens: list[int], group: int, nbytes: int) -> torch.Tensor:
+    """The bytes of the checkpoint of `tokens` in KDA group `group`: unique per prefix."""
+    seed = hashlib.blake2b(repr((tokens, group)).encode(), digest_size=64).digest()
+    return torch.frombuffer(bytearray(seed * -(-nbytes // 64)), dtype=torch.uint8)[:nbytes]
+
+
+def write(view: PagedPool, epoch: int, step: RequestPlan, tokens: list[int]) -> None:
+    """A worker's forward pass of a plan of `epoch`, under the pool's fence: each token's value
+    into its MLA rows, the checkpoint pattern into the checkpoint pages."""
+    ck = commit_item(step, step.stop, True, True, BLOCK).checkpoint_tokens
+    with view.writing(epoch):
+        for group in step.mla_pages:
+            for pos in range(step.start, step.stop):
+                view.mla_view(group[pos // PAGE])[:, pos % PAGE, :] = float(tokens[pos])
+        for group, page in enumerate(step.checkpoint_pages):
+            view.buffer[:, page] = pattern(tokens[:ck], group, view.buffer.shape[-1])
+
+
+def wrong_bytes(view: PagedPool, step: RequestPlan, tokens: list[int]) -> int:
+    """Bytes of the hit's restored state and cached MLA rows that are not its prefix's."""
+    hit, wrong = step.hit_tokens, 0
+    restores = [c for c in step.copies if c.dst in step.state_pages]
+    assert [c.dst for c in restores] == step.state_pages, step
+    for group, c in enumerate(restores):
+        expected = pattern(tokens[:hit], group, view.buffer.shape[-1])[c.offset:c.offset + c.nbytes]
+        got = view.buffer[:, c.dst, c.offset:c.offset + c.nbytes]
+        wrong += int((got != expected.expand_as(got)).sum())
+    for group in step.mla_pages:
+        for first in range(0, hit, PAGE):
+            rows = view.mla_view(group[first // PAGE])[:, :min(PAGE, hit - first), :]
+            expected = torch.tensor(tokens[first:first + rows.shape[1]], dtype=torch.float32)
+            wrong += int((rows != expected[None, :, None]).sum()) * rows.element_size()
+    return wrong
+
+
+def written_pages(step: RequestPlan) -> set[int]:
+    """The pages a hit on `step`'s request reads: its MLA pages and its checkpoint."""
+    return {p for group in step.mla_pages for p in group} | set(step.checkpoint_pages)
+
+
+async def serve(tier: CacheTierClient, view: PagedPool, rid: str,
+                tokens: list[int]) -> RequestPlan:
+    """Plan, write, commit, confirm and release a whole prompt, as an engine does."""
+    plan = await tier.plan("p", [new_request(rid, tokens, len(tokens), BLOCK)])
+    assert isinstance(plan, StepPlan), plan
+    step = only(plan)
+    write(view, plan.epoch, step, tokens)
+    done = await tier.commit("p", [commit_item(step, step.stop, True, True, BLOCK)])
+    await tier.confirm("p", done.ticket)
+    await tier.release("p", [rid])
+    return step
+
+
+async def bumped(tier: CacheTierClient, epoch: int) -> int:
+    """The pool's epoch once it has moved past `epoch` and rank 0 serves again."""
+    stats = await eventually(lambda: tier.stats("p"),
+                             lambda s: s.epoch > epoch and s.ranks == [0])
+    return stats.epoch
+
+
+async def hit_on(tier: CacheTierClient, tokens: list[int]) -> RequestPlan:
+    probe = tokens + [1]
+    step = only(await tier.plan("p", [new_request("hit", probe, len(probe), BLOCK)]))
+    assert step.hit_tokens == len(tokens) // BLOCK * BLOCK and step.copies, step
+    return step
+
+
+async def test_a_late_in_place_writer_of_a_voided_epoch_is_refused(service, agent, tier, redis):
+    view = PagedPool.attach(agent.handle())
+    planned = await tier.plan("p", [new_request("zombie", ZOMBIE, len(ZOMBIE), BLOCK)])
+    zombie, old = only(planned), planned.epoch
+    await service.agent_lost("p", 0)  # "offline" about an agent that lives on, bytes and all
+    new = await bumped(tier, old)
+    fresh = await serve(tier, view, "fresh", FRESH)
+    assert written_pages(fresh) & written_pages(zombie), "the new epoch reuses the page ids"
+    with pytest.raises(StaleOrder):
+        write(view, old, zombie, ZOMBIE)  # the old epoch's forward pass, late
+    assert agent.fence.epoch == new and view.fence.epoch() == new
+    hit = await hit_on(tier, FRESH)
+    assert wrong_bytes(view, hit, FRESH) == 0
+    await tier.release("p", ["hit", "zombie"])
+    await assert_no_pins(redis)
+
+
+async def test_a_late_copy_batch_of_a_voided_epoch_is_refused(redis, redis_url, monkeypatch):
+    """Replica `a` planned a restore in epoch N; replica `b` lost the agent's link (epoch N+1)
+    and handed the same page ids to a new request before `a`'s batch reached the agent."""
+    held, caught, original = asyncio.Event(), asyncio.Event(), AgentLink.copy
+    armed, targets = False, set()
+
+    async def copy(link: AgentLink, batch: CopyBatch) -> None:
+        nonlocal armed
+        if armed:
+            armed = False
+            targets.update(dst for _, dst, _, _ in batch.copies)
+            caught.set()
+            await held.wait()  # the batch is slow to leave `a`: a loaded host, a slow network
+        await original(link, batch)
+
+    monkeypatch.setattr(AgentLink, "copy", copy)
+    async with running_service(redis_url) as a, running_service(redis_url) as b, \
+            running_agent(a.url, b.url) as agent, \
+            CacheTierClient(a.url, token=TOKEN) as tier_a, \
+            CacheTierClient(b.url, token=TOKEN) as tier_b:
+        view = PagedPool.attach(agent.handle())
+        await eventually(lambda: tier_b.stats("p"), lambda s: s.ranks == [0])
+        await serve(tier_a, view, "doc", ZOMBIE)
+        old = (await tier_a.stats("p")).epoch
+        armed = True
+        probe = ZOMBIE + [2]
+        late = asyncio.create_task(tier_a.plan("p", [new_request("z", probe, len(probe), BLOCK)]))
+        await asyncio.wait_for(caught.wait(), 10)
+        await b.agent_lost("p", 0)
+        await bumped(tier_b, old)
+        # a request in flight holds the new epoch's first ids, so the next one's pages line up
+        # with the late batch's targets (asserted below: the overlap is the hazard)
+        spacer = DOC[200:210]
+        await tier_b.plan("p", [new_request("spacer", spacer, len(spacer), BLOCK)])
+        fresh = await serve(tier_b, view, "fresh", FRESH)
+        held.set()
+        with pytest.raises(RemoteError) as err:
+            await late
+        assert err.value.code == ErrorCode.COPY_FAILED and err.value.retryable
+        assert "fenced" in str(err.value), err.value
+        assert targets & written_pages(fresh), "the late batch aims at the new request's pages"
+        hit = await hit_on(tier_b, FRESH)
+        assert wrong_bytes(view, hit, FRESH) == 0
+        await tier_b.release("p", ["hit", "spacer"])
+        await assert_no_pins(redis)
+
+
+async def test_a_fence_waits_for_the_writers_in_a_section_and_refuses_their_epoch_after():
+    with PagedPool.create(TINY.model, TINY.cache) as pool:
+        worker = PagedPool.attach(pool.handle())
+        fence = OrderFence()
+        fence.writers = pool.fence
+        assert await fence.advance(3) == 3
+        with worker.writing(3):
+            raising = asyncio.create_task(fence.advance(4))
+            await asyncio.sleep(0.2)
+            assert not raising.done() and fence.epoch == 3  # it waits for the section
+        assert await asyncio.wait_for(raising, 5) == 4
+        with pytest.raises(StaleOrder), worker.writing(3):
+            pytest.fail("a writer of a fenced-off epoch entered its section")
+        with worker.writing(4):
+            pass
+
+
+async def test_a_fence_waits_for_the_orders_running_and_refuses_older_ones_after():
+    fence = OrderFence()
+    order = fence.order(2)
+    await order.__aenter__()
+    raising = asyncio.create_task(fence.advance(3))
+    await asyncio.sleep(0.05)
+    assert not raising.done()
+    await order.__aexit__(None, None, None)
+    assert await asyncio.wait_for(raising, 5) == 3
+    with pytest.raises(StaleOrder):
+        async with fence.order(2):
+            pass
+    async with fence.order(4):  # an order of a newer epoch raises the fence first
+        assert fence.epoch == 4
+    assert await fence.advance(1) == 4  # never lowered
