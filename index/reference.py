@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 import struct
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cachetier.config import Config
 from eviction.policy import CLASSES, COMMIT_KINDS, Entry, EvictionWeights, lru
@@ -46,6 +47,7 @@ class PoolState:
     req: dict[str, dict[str, Any]] = field(default_factory=dict)
     reqh: dict[str, bytes] = field(default_factory=dict)
     tix: dict[int, list[str]] = field(default_factory=dict)
+    lease: dict[str, int] = field(default_factory=dict)  # request id -> lease deadline (ms)
     lru_page_count: int = 0  # meta.lru_pages as Redis stores it; the reference derives it
     durable_cks: int = 0  # meta.durable_cks: registered checkpoints with dur = 1, kept by both
 
@@ -68,11 +70,14 @@ class ReferencePool:
 
 
 class ReferenceIndex:
-    """`pool`: join that pool (another face's) instead of creating one at `create()`."""
+    """`pool`: join that pool (another face's) instead of creating one at `create()`; `lease_s`
+    and `clock` as `PrefixIndex`'s."""
 
     def __init__(self, config: Config, weights: EvictionWeights | None = None, *,
-                 pool_id: str = "reference", pool: ReferencePool | None = None) -> None:
+                 pool_id: str = "reference", pool: ReferencePool | None = None,
+                 lease_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        self.lease_s, self.clock = lease_s, clock
         self.pool_id = pool_id
         self.weights = weights or lru()
         self.pool = pool
@@ -390,6 +395,9 @@ class ReferenceIndex:
             if not self._evict_one(removed):
                 raise CorruptState("eviction ran dry after the capacity check")
         out = [self._allocate(p) for p in plans]
+        if self.lease_s is not None:
+            deadline = int((self.clock() + self.lease_s) * 1000)
+            self.s.lease.update((p["item"].rid, deadline) for p in plans)
         ticket = self._new_ticket([p["item"].rid for p in plans])
         return StepPlan(ticket, self.s.epoch, out, len(removed), removed)
 
@@ -633,9 +641,24 @@ class ReferenceIndex:
     # -- release.lua --------------------------------------------------------------------------
     async def release(self, rids: Sequence[str]) -> ReleaseResult:
         self._check_epoch()
+        return self._release(list(rids))
+
+    async def reap(self, count: int) -> ReleaseResult:
+        """release.lua's reaper: the `count` earliest leases at or past now (ZRANGEBYSCORE's
+        order: deadline, then id)."""
+        self._check_epoch()
+        if not 1 <= count <= 10000:
+            raise BadRequest("the reaper needs now (ms) and a count in [1, 10000]")
+        now = int(self.clock() * 1000)
+        due = sorted((d, rid) for rid, d in self.s.lease.items() if d <= now)[:count]
+        result = self._release([rid for _, rid in due])
+        return ReleaseResult(result.released, [], result.removed)
+
+    def _release(self, rids: list[str]) -> ReleaseResult:
         removed: list[Removal] = []
         unknown, released = [], 0
         for rid in rids:
+            self.s.lease.pop(rid, None)
             r = self.s.req.get(rid)
             if r is None:
                 unknown.append(rid)

@@ -22,12 +22,12 @@ _TEXT_FIELDS = ("k", "st", "owner", "cls")
 
 
 async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
-    meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k, rf_k, path_k = keys
+    meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k, rf_k, path_k, lease_k = keys
     pipe = redis.pipeline(transaction=True)
     pipe.hgetall(meta_k).hgetall(pages_k).lrange(free_k, 0, -1).hgetall(ep_k).hgetall(ck_k)
     pipe.zrange(lru_k, 0, -1, withscores=True).hgetall(req_k).hgetall(reqh_k).hgetall(tix_k)
-    pipe.hgetall(rf_k).hgetall(path_k)
-    meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path = await pipe.execute()
+    pipe.hgetall(rf_k).hgetall(path_k).zrange(lease_k, 0, -1, withscores=True)
+    meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path, lease = await pipe.execute()
     clock = float(meta.get(b"clock", 0))
     meta = {k.decode(): int(float(v)) for k, v in meta.items() if not k.startswith(b"w_")}
     return PoolState(
@@ -41,6 +41,7 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
         req={k.decode(): _request(msgpack.unpackb(v, raw=True)) for k, v in req.items()},
         reqh={k.decode(): v for k, v in reqh.items()},
         tix={int(k): [r.decode() for r in msgpack.unpackb(v, raw=True)] for k, v in tix.items()},
+        lease={rid.decode(): int(d) for rid, d in lease},
         lru_page_count=meta["lru_pages"],
         durable_cks=meta["durable_cks"],
     )
@@ -113,6 +114,7 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
     assert state.lru_page_count == state.lru_pages(), "meta.lru_pages out of step with the LRU"
     assert state.durable_cks == state.durable_checkpoints(), (
         "meta.durable_cks out of step with the checkpoints' classes")
+    assert set(state.lease) <= set(state.req), "a lease outlives its request"
     for ticket, rids in state.tix.items():
         assert rids and all(ticket in state.req[rid]["tix"] for rid in rids), f"ticket {ticket} dangles"
     pins = _expected_pins(state)

@@ -3,12 +3,19 @@
 `PrefixIndex` turns records into script arguments and replies back into records. It holds no
 metadata of its own beyond the epoch it last saw, which it passes to every call so that a caller
 holding pins from before an invalidation is told so (`StaleEpoch`) instead of touching new pages.
+
+With `lease_s`, every request it plans (and every reader it pins) holds a lease of that many
+seconds, renewed by each of its steps; `reap` releases those whose lease ran out (a scheduler
+that died between plan and release, a release that was lost), a bounded number per call.
+Deadlines are read on `clock` (wall-clock seconds), so the replicas sharing a pool must agree on
+the time to well within a lease.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -24,7 +31,8 @@ from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResu
                            StepRequest)
 from index.scripts import Scripts
 
-KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "rf", "path")
+KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "rf", "path",
+             "lease")
 _POOL_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
@@ -48,13 +56,16 @@ def pool_fields(config: Config, weights: EvictionWeights) -> dict[str, int | flo
 
 class PrefixIndex:
     def __init__(self, redis: Redis, pool_id: str, config: Config,
-                 weights: EvictionWeights | None = None) -> None:
+                 weights: EvictionWeights | None = None, *, lease_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
         self.pool_id = pool_id
         self.config = config
         self.weights = weights or lru()
         self.keys = pool_keys(pool_id)
         self.epoch = 0
+        self.lease_s = lease_s
+        self.clock = clock
         self._scripts = Scripts(redis)
         self._hash_len = hash_len(config.cache.hash_algo)
 
@@ -120,6 +131,15 @@ class PrefixIndex:
         return ReleaseResult(reply["released"], [r.decode() for r in _list(reply["unknown"])],
                              _removals(reply["removed"]))
 
+    async def reap(self, count: int) -> ReleaseResult:
+        """Release up to `count` requests whose lease has run out, earliest deadline first:
+        `released` says how many (each was released as `release` does)."""
+        reply = await self._call("release", [_pack([]), _ms(self.clock()), count])
+        return ReleaseResult(reply["released"], [], _removals(reply["removed"]))
+
+    def _deadline(self) -> int | None:
+        return None if self.lease_s is None else _ms(self.clock() + self.lease_s)
+
     async def evict(self, count: int) -> EvictResult:
         reply = await self._call("evict", [count])
         return EvictResult(reply["evicted"], _removals(reply["removed"]))
@@ -155,7 +175,9 @@ class PrefixIndex:
     async def pin_prefix(self, reader: str, prompt_tokens: int, hashes: bytes) -> PinnedPrefix:
         """Pin the prompt's longest usable prefix under `reader`, for another pool to copy;
         `release([reader])` unpins it. A hit of 0 pins nothing."""
-        reply = await self._call("pin_prefix", [reader, prompt_tokens, bytes(hashes)])
+        deadline = self._deadline()
+        reply = await self._call("pin_prefix", [reader, prompt_tokens, bytes(hashes),
+                                                "" if deadline is None else deadline])
         groups = self.config.model.mla_groups
         table = np.frombuffer(reply["mla"], dtype="<u4").reshape(-1, groups).T.tolist()
         return PinnedPrefix(reader, reply["epoch"], reply["hit"] * self.config.cache.hash_block_tokens,
@@ -171,9 +193,11 @@ class PrefixIndex:
 
     def _encode_batch(self, requests: Sequence[StepRequest]) -> list[dict[str, Any]]:
         """New requests name their hash blob by position among the extra script arguments."""
-        items, blobs = [], 0
+        items, blobs, deadline = [], 0, self._deadline()
         for r in requests:
             item = self._encode(r)
+            if deadline is not None:
+                item["lease"] = deadline
             if r.is_new:
                 blobs += 1
                 item["hashes"] = blobs
@@ -209,6 +233,10 @@ class PrefixIndex:
     def _check_size(self, items: Sequence[object]) -> None:
         if len(items) > self.config.cache.max_batch:
             raise BadRequest(f"batch of {len(items)} exceeds max_batch {self.config.cache.max_batch}")
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
 
 def _pairs(fields: dict[str, int | float]) -> list[Any]:

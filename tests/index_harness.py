@@ -192,10 +192,14 @@ class Driver:
 
     async def release(self, rids: list[str]):
         result = await self.index.release(rids)
+        self.forget(rids)
+        return result
+
+    def forget(self, rids: list[str]) -> None:
+        """What this driver knows of released requests (by `release`, or reaped) goes."""
         for rid in rids:
             self.bytes.forget(rid)
             self.plans.pop(rid, None)
-        return result
 
     async def evict(self, count: int):
         return await self.index.evict(count)

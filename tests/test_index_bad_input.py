@@ -59,6 +59,9 @@ RAW_PLAN_CASES = {
     "at_last not 0/1": (packed([new_item(at_last=3)]), [GOOD_HASHES]),
     "at_resend not 0/1": (packed([new_item(at_resend=3)]), [GOOD_HASHES]),
     "turn_end intermediate": (packed([new_item(turn_end="intermediate")]), [GOOD_HASHES]),
+    "lease a string": (packed([new_item(lease="soon")]), [GOOD_HASHES]),
+    "valid then a bad lease": (packed([new_item(rid="ok", compute=4, lease=5),
+                                       new_item(hashes=2, lease=[1])]), [GOOD_HASHES] * 2),
     "duplicate rid": (packed([new_item(), new_item(hashes=2)]), [GOOD_HASHES] * 2),
     "over max_batch": (packed([new_item(rid=f"x{i}", hashes=i + 1) for i in range(CONFIG.cache.max_batch + 1)]),
                        [GOOD_HASHES] * (CONFIG.cache.max_batch + 1)),
@@ -118,6 +121,11 @@ async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
         await raw(warm, "release", packed([1, 2]))
     with pytest.raises(BadRequest):
         await raw(warm, "evict", -3)
+    for reaper in (["later", 10], [10**13, 0], [10**13, 10001], [10**13]):  # now, count
+        with pytest.raises(BadRequest):
+            await raw(warm, "release", packed(["mid"]), *reaper)
+    with pytest.raises(BadRequest):
+        await raw(warm, "pin_prefix", "reader", 40, chain_hashes(list(range(40)), ROOT, 4), "x")
     stale = PrefixIndex(redis, "p", CONFIG)
     stale.epoch = warm.index.epoch + 7
     with pytest.raises(StaleEpoch):

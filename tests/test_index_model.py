@@ -38,6 +38,7 @@ from index.store import PrefixIndex
 from tests.index_harness import ROOT, Driver, new_request, small_config
 
 
+LEASE_S = 5.0  # the requests' lease in the model, on the machine's own clock (`time_passes`)
 KEPT = [kind for kind in COMMIT_KINDS if kind != "intermediate"]  # what a turn end may be kept as
 ODD = st.sampled_from([0.0, 1.0, 0.1, 1 / 3, 2.5, 1e-3, 2.0**40])
 WEIGHTS = st.sampled_from([lru(), recency(), value()]) | st.builds(
@@ -63,8 +64,9 @@ class IndexMachine(RuleBasedStateMachine):
         pool = BlockingConnectionPool.from_url(self.redis_url, max_connections=4)
         self.redis = Redis(connection_pool=pool)
         self.loop.run_until_complete(self.redis.flushall())
-        real = PrefixIndex(self.redis, "m", self.config)
-        ref = ReferenceIndex(self.config, pool_id="m")
+        self.now = 1_000.0  # both faces' clock (s): leases run out as `time_passes` says
+        real = PrefixIndex(self.redis, "m", self.config, lease_s=LEASE_S, clock=self.clock)
+        ref = ReferenceIndex(self.config, pool_id="m", lease_s=LEASE_S, clock=self.clock)
         for index in (real, ref):
             self.loop.run_until_complete(index.create())
         self.real = Driver(real, self.config)
@@ -72,6 +74,9 @@ class IndexMachine(RuleBasedStateMachine):
         self.status: dict[str, str] = {}
         self.tickets: list[int] = []
         self.serial = 0
+
+    def clock(self) -> float:
+        return self.now
 
     def teardown(self) -> None:
         self.loop.run_until_complete(self.redis.aclose(close_connection_pool=True))
@@ -210,6 +215,26 @@ class IndexMachine(RuleBasedStateMachine):
             for rid in rids:
                 del self.status[rid]
 
+    @rule(seconds=st.sampled_from([0.001, 1.0, LEASE_S - 0.5, LEASE_S]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(count=st.integers(1, 3))
+    def reap(self, count: int) -> None:
+        """The lease reaper: the same requests go on both sides (the invariant compares the
+        records and the leases), at most `count`, the earliest deadlines first."""
+        before = set(self.ref.index.s.req)
+        result = self.faces(lambda index: index.reap(count))
+        gone = sorted(before - set(self.ref.index.s.req))
+        if isinstance(result, type):  # both refused: another replica bumped the epoch
+            assert not gone
+            return
+        assert result.released == len(gone) <= count, (result, gone)
+        for driver in (self.real, self.ref):
+            driver.forget(gone)
+        for rid in gone:
+            self.status.pop(rid, None)
+
     @rule(count=st.integers(1, 4))
     def evict(self, count: int) -> None:
         self.both("evict", count)
@@ -255,7 +280,7 @@ class IndexMachine(RuleBasedStateMachine):
         face under test saw (-1: one already gone, which must change nothing)."""
         seen_epoch = None if seen is None else self.real.index.epoch + seen
         if elsewhere:
-            faces = [PrefixIndex(self.redis, "m", self.config),
+            faces = [PrefixIndex(self.redis, "m", self.config, lease_s=LEASE_S, clock=self.clock),
                      ReferenceIndex(self.config, pool_id="m", pool=self.ref.index.pool)]
         else:
             faces = [self.real.index, self.ref.index]
@@ -275,7 +300,7 @@ class IndexMachine(RuleBasedStateMachine):
         state = self.loop.run_until_complete(read_pool(self.redis, self.real.index.keys))
         expected = self.ref.index.s
         for name in ("epoch", "tick", "ticket", "clock", "fresh", "free", "ep", "ck", "lru", "reqh",
-                     "tix", "pages", "req", "durable_cks"):
+                     "tix", "pages", "req", "durable_cks", "lease"):
             assert getattr(state, name) == getattr(expected, name), f"{name} differs"
         assert self.real.index.epoch == self.ref.index.epoch, "the faces saw different epochs"
         stats = self.faces(lambda index: index.stats())

@@ -45,7 +45,8 @@ end
 -- bounded time, so if it has any it starts a new epoch (as when its agents restart).
 if redis.call("HEXISTS", K_META, "durable_cks") == 0 then
   if redis.call("HLEN", K_CK) > 0 then
-    redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH)
+    redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH,
+                K_LEASE)
     redis.call("HINCRBY", K_META, "epoch", 1)
     redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0)
   end

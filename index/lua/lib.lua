@@ -15,6 +15,8 @@
 --                        without decoding the page record
 --   KEYS[11] path  HASH  registered MLA lead -> the page sets of all its ancestors, slot by slot,
 --                        as little-endian uint32 page ids: the page table of any hit through it
+--   KEYS[12] lease ZSET  request id -> the deadline (ms) of its lease, for the requests planned
+--                        or pinned with one: the reaper (release.lua) releases them past it
 --
 -- A "page set" is one page per cache group of one kind (MLA or KDA), allocated, pinned and freed
 -- as a unit; its first page is the lead and holds the record; the other pages have none.
@@ -101,9 +103,9 @@
 --   durable_cks      registered checkpoints with dur = 1
 --   w_*              the eviction weights: WEIGHT_FIELDS (EvictionWeights.as_pool_fields)
 
-local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH =
+local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10],
-  KEYS[11]
+  KEYS[11], KEYS[12]
 
 local function fail(code, msg)
   error({err = "CT_" .. code .. " " .. msg})
@@ -414,6 +416,19 @@ local function pending_checkpoint(item)
   if item.ck < 0 or redis.call("HGET", K_CK, item.ckh) ~= tostring(item.ck) then return false end
   local rec = get_rec(item.ck)
   return rec.st == "pending" and rec.tk == item.t
+end
+
+-- A lease deadline a caller sends (ms, its clock) is a finite number or nil (no lease).
+local function check_lease(rid, deadline)
+  if deadline ~= nil and (type(deadline) ~= "number" or deadline ~= deadline
+                          or deadline == math.huge or deadline == -math.huge) then
+    fail("BADINPUT", rid .. ": a lease deadline must be a finite number")
+  end
+end
+
+-- A request's lease runs to `deadline`; nil: it keeps the one it has (or none).
+local function lease(rid, deadline)
+  if deadline ~= nil then redis.call("ZADD", K_LEASE, deadline, rid) end
 end
 
 local function reply(result)

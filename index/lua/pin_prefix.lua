@@ -5,6 +5,7 @@
 -- ARGV[2] - reader id: names the pins (a request id that must not be in use)
 -- ARGV[3] - prompt length in tokens
 -- ARGV[4] - the chained hashes of its complete hash blocks
+-- ARGV[5] - the deadline (ms) of the reader's lease, or "" for none (release.lua reaps it)
 -- returns msgpack {epoch, hit = blocks, mla = packed page sets of the hit's MLA slots (uint32 per
 --           page, slot-major, the last slot holding hit - (slots - 1) * blocks_per_page blocks),
 --           ckpt = the checkpoint's KDA page set ({} without KDA groups or without a hit)}
@@ -19,6 +20,12 @@ local rid, tokens, blob = ARGV[2], tonumber(ARGV[3]), ARGV[4] or ""
 if rid == nil or #rid == 0 then fail("BADINPUT", "the reader id must be a non-empty string") end
 check_prompt(m, tokens, blob)
 if get_req(rid) then fail("BADINPUT", "request " .. rid .. " already exists") end
+local deadline = nil
+if ARGV[5] ~= nil and ARGV[5] ~= "" then
+  deadline = tonumber(ARGV[5])
+  if deadline == nil then fail("BADINPUT", "the lease deadline must be a number or empty") end
+  check_lease(rid, deadline)
+end
 local _, hit, ck, e = match_prefix(m, tokens, blob)
 if hit == 0 then return reply({epoch = m.epoch, hit = 0, mla = "", ckpt = {}}) end
 
@@ -36,5 +43,6 @@ local pos = hit * m.block_tokens
 put_req(rid, {tokens = pos, pos = pos, stop = pos, hit = pos, pin = e[1], spath = "", own = {},
               shared = 0, state = -1, ck = -1, reg = hit, inter = "", pend = pend, hoff = 0,
               tix = {}})
+lease(rid, deadline)
 save_meta(m)
 return reply({epoch = m.epoch, hit = hit, mla = mla, ckpt = ckpt})

@@ -17,7 +17,8 @@
 --           as: its turn end, or a block-aligned prompt's resend point; when the hit lands
 --           exactly there, the restored checkpoint is that kept one and an intermediate or
 --           superseded one is promoted to it, as a duplicate commit would, so its writer does not
---           recycle it)}.
+--           recycle it), lease = a deadline in ms (optional: the request's lease runs to it,
+--           renewed by each step; release.lua reaps it past that)}.
 --           An active request id continues its prefill; an unknown one is looked up.
 -- ARGV[3..] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
 -- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, match, start, stop, shared, own,
@@ -48,6 +49,7 @@ local function check_request(item, seen)
   if not is_int(item.compute, 1) then fail("BADINPUT", item.rid .. ": compute must be an integer >= 1") end
   item.at_match, item.at_page, item.at_last = item.at_match or 0, item.at_page or 0, item.at_last or 0
   item.at_resend = item.at_resend or 0
+  check_lease(item.rid, item.lease)
   for _, flag in ipairs({"ckpt", "at_match", "at_page", "at_last", "at_resend"}) do
     if item[flag] ~= 0 and item[flag] ~= 1 then fail("BADINPUT", item.rid .. ": " .. flag .. " must be 0 or 1") end
   end
@@ -195,6 +197,7 @@ for n, p in ipairs(plans) do
   r.stop = p.stop
   r.tix[#r.tix + 1] = m.ticket + 1
   put_req(rid, r)
+  lease(rid, p.item.lease)
   rids[n] = rid
   local own, state, ckpt = {}, {}, {}
   for i, lead in ipairs(r.own) do own[i] = page_set(lead) end

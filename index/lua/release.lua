@@ -3,7 +3,10 @@
 -- KEYS   - the pool's keys, see lib.lua
 -- ARGV[1] - epoch
 -- ARGV[2] - msgpack list of request ids
--- returns msgpack {released = n, unknown = {rids}, removed = {...}}
+-- ARGV[3] - optional, the lease reaper: now in ms (the clock the leases were given by)
+-- ARGV[4] - with ARGV[3], the most leases to reap: besides ARGV[2], up to that many requests
+--           whose lease deadline is <= now are released, earliest first (bounded work per call)
+-- returns msgpack {released = n, unknown = {rids}, removed = {...}, reaped = {rids}}
 --
 -- Registrations the request never confirmed are rolled back (their bytes may never have been
 -- written): endpoints above the page's ready fill are removed with the checkpoints anchored on
@@ -17,7 +20,21 @@ local rids = unpack_arg(ARGV[2], "request id list")
 for _, rid in ipairs(rids) do
   if type(rid) ~= "string" then fail("BADINPUT", "request ids must be strings") end
 end
-local removed, unknown, released = {}, {}, 0
+local removed, unknown, released, reaped = {}, {}, 0, {}
+if ARGV[3] ~= nil then
+  local now, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+  if now == nil or not is_int(most, 1, 10000) then
+    fail("BADINPUT", "the reaper needs now (ms) and a count in [1, 10000]")
+  end
+  local named = {}
+  for _, rid in ipairs(rids) do named[rid] = true end
+  for _, rid in ipairs(redis.call("ZRANGEBYSCORE", K_LEASE, "-inf", now, "LIMIT", 0, most)) do
+    if not named[rid] then
+      rids[#rids + 1] = rid
+      reaped[#reaped + 1] = rid
+    end
+  end
+end
 
 local function roll_back(rec, rf)
   local keep = {}
@@ -63,6 +80,7 @@ end
 
 for _, rid in ipairs(rids) do
   local r = get_req(rid)
+  redis.call("ZREM", K_LEASE, rid)
   if r == nil then unknown[#unknown + 1] = rid else
     for _, item in ipairs(r.pend) do
       if item.unpin >= 0 then unpin(m, item.unpin) end
@@ -79,4 +97,4 @@ for _, rid in ipairs(rids) do
   end
 end
 save_meta(m)
-return reply({released = released, unknown = unknown, removed = removed})
+return reply({released = released, unknown = unknown, removed = removed, reaped = reaped})
