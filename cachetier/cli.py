@@ -120,6 +120,10 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         if args.batch_tick < 0:
             raise ConfigError("--batch-tick", "must be >= 0")
         settings = dataclasses.replace(settings, batch_tick_s=args.batch_tick)
+    if args.request_lease is not None:
+        if args.request_lease < 0:
+            raise ConfigError("--request-lease", "must be >= 0")
+        settings = dataclasses.replace(settings, request_lease_s=args.request_lease or None)
     return _run_until_signal(run_service(settings, _announce_listening, args.mqtt), args.log_level)
 
 
@@ -216,6 +220,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--batch-tick", type=float, metavar="SECONDS",
                        help="how long a pool's plans gather into one step while one of its "
                        "steps is in flight (0: every plan on its own; default 0.001)")
+    serve.add_argument("--request-lease", type=float, metavar="SECONDS",
+                       help="a request or pinned reader not stepped for this long is released: "
+                       "its scheduler is taken for gone (0: never; default 300)")
     add_config_arguments(serve)
     _add_node_arguments(serve)
     serve.set_defaults(handler=_serve)

@@ -12,6 +12,8 @@ copy list to every rank's agent; their acks; the confirm script; the answer. Any
 answers a retryable error. An agent whose connection drops, times out or is reported dead
 (`agent_lost`, also called by the liveness watcher) fails its pool's steps in flight here and
 starts a new epoch: nothing cached before can be matched against bytes that may be gone.
+Requests hold leases (`request_lease_s`), renewed by each step; the reaper (`reaper`) releases
+those of schedulers that disappeared between plan and release.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError,
 from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
+from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
 from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
@@ -75,6 +78,10 @@ class ServiceSettings:
     redis_wait_s: float = 10.0  # for a free connection of the pool, under load
     # plans of one pool arriving within this tick share one step (`batching`); 0: each alone
     batch_tick_s: float = 0.001
+    # a request (or pinned reader) not stepped for this long is released by the reaper
+    # (`reaper`): its scheduler is taken for gone; None: requests live until released
+    request_lease_s: float | None = 300.0
+    reaper: ReaperSettings = field(default_factory=ReaperSettings)
     # pools whose geometry differs from `config` (e.g. a decode pool of another TP degree)
     pool_configs: dict[str, Config] = field(default_factory=dict)
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -123,6 +130,7 @@ class CacheTierService:
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
         self._losses: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
         self._registering = asyncio.Lock()  # registrations are rare: one at a time, all pools
         self._handlers: dict[type, Callable[[Any], Awaitable[Any]]] = {
             Plan: self._plan, Commit: self._commit, Confirm: self._confirm,
@@ -145,12 +153,19 @@ class CacheTierService:
         self._server, self._endpoint = await Endpoint.parse(self.settings.listen).listen(
             self._connected)
         self.url = self._endpoint.url
+        if self.settings.request_lease_s is not None:
+            self._reaper = asyncio.create_task(run_reaper(
+                lambda: [(name, state.index) for name, state in self._pools.items()],
+                self.observer.released, self.settings.reaper))
         return self.url
 
     async def close(self) -> None:
         """Stop listening, drop every connection (agents included) and the Redis pool."""
         if self._server is not None:
             self._server.close()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, *self._losses, return_exceptions=True)
@@ -163,7 +178,7 @@ class CacheTierService:
         if self._endpoint is not None and self._endpoint.scheme == "unix":
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._endpoint.path)
-        self._server = self._redis = self._endpoint = None
+        self._server = self._redis = self._endpoint = self._reaper = None
 
     async def __aenter__(self) -> CacheTierService:
         await self.start()
@@ -321,7 +336,7 @@ class CacheTierService:
 
     def _new_pool(self, pool: str) -> _Pool:
         config = self.config_for(pool)
-        index = PrefixIndex(self.redis, pool, config)
+        index = PrefixIndex(self.redis, pool, config, lease_s=self.settings.request_lease_s)
         state = _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
         if self.settings.batch_tick_s > 0:
             tick, most = self.settings.batch_tick_s, config.cache.max_batch
