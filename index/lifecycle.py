@@ -27,6 +27,7 @@ from types import TracebackType
 
 from index.errors import StaleEpoch
 from index.face import Index
+from index.redis_link import WriteNotAcknowledged
 from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
                            StepRequest)
 
@@ -46,8 +47,13 @@ class RequestLifecycle:
 
     async def plan(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         """Plan one step, then settle it; a refusal changed nothing and is returned as is. If
-        settling fails, the step's requests are released before the error propagates."""
-        outcome = await self.index.plan_step(requests)
+        settling fails, or no replica acknowledged the plan, the step's requests are released
+        before the error propagates."""
+        try:
+            outcome = await self.index.plan_step(requests)
+        except WriteNotAcknowledged:  # planned, but a failover may lose it: not acted on
+            await self._release_quietly([r.rid for r in requests])
+            raise
         if isinstance(outcome, StepRefusal):
             return outcome
         rids = [r.rid for r in requests]  # a plan covers its whole batch

@@ -5,8 +5,10 @@ and the script's own file, so the shared helpers are written once and every scri
 self-contained on the server. The preamble (`ScriptConstants`) declares the checkpoint classes and
 the eviction weights' meta fields as Lua constants generated from eviction.policy, their one
 definition: no .lua file restates them, and a class added there reaches every script. The source
-is fixed once the module is loaded, so each script's SHA is too: redis-py's `AsyncScript` sends
-EVALSHA and reloads the source on NOSCRIPT (after a server restart or SCRIPT FLUSH).
+is fixed once the module is loaded, so each script's SHA is too: `index.execution` sends EVALSHA
+and, on NOSCRIPT (a restarted server, a promoted replica, SCRIPT FLUSH), EVAL of the source on the
+script's own slot. The writes a caller acts on (`ACKED`) wait for a replica when the index is
+given `ReplicaAcks`.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
 from eviction.policy import CLASSES, COMMIT_KINDS, pool_field, weight_names
 from index.errors import from_reply
+from index.execution import LoadedScript, ReplicaAcks, run_script
+from index.redis_link import RedisClient
 
 SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evict",
                 "invalidate_pool", "probe", "pin_prefix", "reweigh", "stats")
 USES_MATCH = frozenset({"plan_step", "probe", "pin_prefix"})  # look a prompt up
+# what a caller acts on (copies into planned pages, tickets, pins, epochs): lost, it would be out
+# of step with the index; a lost confirm, release or eviction only leaves the cache smaller
+ACKED = frozenset({"create_pool", "plan_step", "commit", "pin_prefix", "invalidate_pool"})
 
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")  # safe as a Lua string and a meta field, unescaped
@@ -92,14 +97,17 @@ def script_source(name: str, constants: ScriptConstants = ScriptConstants()) -> 
 class Scripts:
     """The pool's scripts bound to one Redis client."""
 
-    def __init__(self, redis: Redis, constants: ScriptConstants = ScriptConstants()) -> None:
-        self._scripts: dict[str, AsyncScript] = {
-            name: redis.register_script(script_source(name, constants)) for name in SCRIPT_NAMES
-        }
+    def __init__(self, redis: RedisClient, constants: ScriptConstants = ScriptConstants(),
+                 acks: ReplicaAcks | None = None) -> None:
+        self._redis = redis
+        self._acks = acks
+        self._scripts = {name: LoadedScript(script_source(name, constants))
+                         for name in SCRIPT_NAMES}
 
     async def call(self, name: str, keys: list[str], args: list[bytes | str | int | float]):
+        acks = self._acks if name in ACKED else None
         try:
-            return await self._scripts[name](keys=keys, args=args)
+            return await run_script(self._redis, self._scripts[name], keys, args, acks)
         except ResponseError as exc:
             typed = from_reply(str(exc))
             if typed is None:

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from cachetier.config import Config
 from eviction.policy import EvictionWeights, lru
 from index.errors import BadRequest, StaleEpoch
+from index.execution import ReplicaAcks
 from index.hashing import hash_len
 from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
@@ -56,8 +57,8 @@ def pool_fields(config: Config, weights: EvictionWeights) -> dict[str, int | flo
 
 class PrefixIndex:
     def __init__(self, redis: Redis, pool_id: str, config: Config,
-                 weights: EvictionWeights | None = None, *, lease_s: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 weights: EvictionWeights | None = None, acks: ReplicaAcks | None = None, *,
+                 lease_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
         self.pool_id = pool_id
         self.config = config
@@ -66,7 +67,7 @@ class PrefixIndex:
         self.epoch = 0
         self.lease_s = lease_s
         self.clock = clock
-        self._scripts = Scripts(redis)
+        self._scripts = Scripts(redis, acks=acks)  # acks: writes wait for replicas (a cluster)
         self._hash_len = hash_len(config.cache.hash_algo)
 
     async def create(self) -> int:

@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from cachetier.client import CacheTierClient
+from cachetier.run.redis_cluster import ClusterShape, LocalRedisCluster
 from cachetier.run.servers import RedisServer
 from cachetier.service.server import CacheTierService
 from cachetier.vllm.tiny import write_tiny_qwen3_next
@@ -33,6 +34,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """A Redis Cluster of 3 masters with a replica each, shared by the tests that leave its
+    topology as they found it (failover tests start their own)."""
+    with LocalRedisCluster(ClusterShape(3, 1)) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -25,13 +25,14 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from redis.asyncio import BlockingConnectionPool, Redis
 
 from cachetier.config import Config
 from eviction.policy import CLASSES, COMMIT_KINDS, EvictionWeights, PerClass, lru, recency, value
 from index.errors import CacheIndexError
+from index.execution import ReplicaAcks
 from index.hashing import chain_hashes
 from index.records import CommitItem, StepPlan, StepRequest
+from index.redis_link import RedisTarget, close, connect
 from index.reference import ReferenceIndex
 from index.snapshot import read_pool, recount, sanity_check
 from index.store import PrefixIndex
@@ -56,16 +57,17 @@ def prompt(doc: int, length: int, branch: int | None, variant: int) -> list[int]
 
 class IndexMachine(RuleBasedStateMachine):
     config: Config
-    redis_url: str
+    target: RedisTarget
+    acks: ReplicaAcks | None = None  # a cluster: every write script pipelined with its WAIT
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        pool = BlockingConnectionPool.from_url(self.redis_url, max_connections=4)
-        self.redis = Redis(connection_pool=pool)
+        self.redis = connect(self.target)
         self.loop.run_until_complete(self.redis.flushall())
         self.now = 1_000.0  # both faces' clock (s): leases run out as `time_passes` says
-        real = PrefixIndex(self.redis, "m", self.config, lease_s=LEASE_S, clock=self.clock)
+        real = PrefixIndex(self.redis, "m", self.config, acks=self.acks, lease_s=LEASE_S,
+                           clock=self.clock)
         ref = ReferenceIndex(self.config, pool_id="m", lease_s=LEASE_S, clock=self.clock)
         for index in (real, ref):
             self.loop.run_until_complete(index.create())
@@ -79,7 +81,7 @@ class IndexMachine(RuleBasedStateMachine):
         return self.now
 
     def teardown(self) -> None:
-        self.loop.run_until_complete(self.redis.aclose(close_connection_pool=True))
+        self.loop.run_until_complete(close(self.redis))
         self.loop.close()
 
     def both(self, op: str, *args):
@@ -315,9 +317,20 @@ class IndexMachine(RuleBasedStateMachine):
     pytest.param(small_config(num_pages=64, family="gdn-gqa"), id="gdn3-gqa1"),
 ])
 def test_scripts_match_reference(redis_url, config) -> None:
-    machine = type("Machine", (IndexMachine,), {"config": config, "redis_url": redis_url})
+    machine = type("Machine", (IndexMachine,), {"config": config,
+                                                "target": RedisTarget(redis_url, max_connections=4)})
     run_state_machine_as_test(machine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def test_scripts_match_reference_on_a_redis_cluster(redis_cluster) -> None:
+    """The same machine through the cluster client, every write acknowledged by a replica."""
+    target = RedisTarget.cluster(redis_cluster.startup_nodes, max_connections=4)
+    machine = type("Machine", (IndexMachine,), {"config": small_config(num_pages=64),
+                                                "target": target, "acks": ReplicaAcks()})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=20, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
@@ -326,7 +339,7 @@ def test_a_hit_exactly_at_the_turn_end_promotes_the_restored_intermediate_alike(
     intermediate checkpoint at its own turn end (8) with a `turn_end_kind`, and the plan promotes
     it (`a`'s commit in the same step would recycle it otherwise)."""
     machine = type("Machine", (IndexMachine,), {"config": small_config(num_pages=64),
-                                                 "redis_url": redis_url})()
+                                                 "target": RedisTarget(redis_url)})()
     try:
         def run(op, *args):
             out = machine.both(op, *args)

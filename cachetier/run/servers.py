@@ -91,6 +91,11 @@ class ChildServer:
         return self._proc.pid
 
     @property
+    def running(self) -> bool:
+        """Started and not exited (stopped, or killed from outside)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
     def workdir(self) -> Path:
         if self._workdir is None:
             raise RuntimeError(f"{self.name} is not running")

@@ -28,9 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
@@ -50,9 +48,13 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
                                      parse_request, request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
+from index.execution import ReplicaAcks
 from index.lifecycle import RequestLifecycle
 from index.prefix import PinnedPrefix
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
+from index.redis_link import RedisClient, RedisTarget, WriteNotAcknowledged, is_transient
+from index.redis_link import close as close_redis
+from index.redis_link import connect as connect_redis
 from index.store import PrefixIndex
 
 logger = logging.getLogger("cachetier.service.server")
@@ -67,7 +69,7 @@ _INDEX_CODES: dict[type[CacheIndexError], ErrorCode] = {
 
 @dataclass(frozen=True)
 class ServiceSettings:
-    redis_url: str
+    redis_url: str  # "" with `redis_cluster`
     token: str
     config: Config
     listen: str = "tcp://127.0.0.1:0"
@@ -85,6 +87,21 @@ class ServiceSettings:
     # pools whose geometry differs from `config` (e.g. a decode pool of another TP degree)
     pool_configs: dict[str, Config] = field(default_factory=dict)
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    redis_cluster: str = ""  # host:port,...: a Redis Cluster instead of `redis_url`
+    # replicas that must hold a plan, commit, pin, creation or invalidation before the caller
+    # acts on it (`index.execution`); None: 1 on a cluster, 0 (no WAIT) on one server
+    redis_acks: int | None = None
+    redis_ack_timeout_ms: int = 100
+
+    def redis_target(self) -> RedisTarget:
+        bounds = {"max_connections": self.redis_connections, "wait_s": self.redis_wait_s}
+        if self.redis_cluster:
+            return RedisTarget.cluster(self.redis_cluster, **bounds)
+        return RedisTarget(url=self.redis_url, **bounds)
+
+    def replica_acks(self) -> ReplicaAcks | None:
+        acks = (1 if self.redis_cluster else 0) if self.redis_acks is None else self.redis_acks
+        return ReplicaAcks(acks, self.redis_ack_timeout_ms) if acks else None
 
 
 @dataclass(eq=False)
@@ -100,7 +117,7 @@ def describe(exc: BaseException) -> ErrorInfo:
     """The error frame for any failure of a request: index errors keep their `retryable`."""
     if isinstance(exc, CacheIndexError):
         return ErrorInfo(_INDEX_CODES.get(type(exc), ErrorCode.INTERNAL), str(exc), exc.retryable)
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+    if is_transient(exc):  # a server down, a failover, a write no replica confirmed in time
         return ErrorInfo(ErrorCode.REDIS_UNAVAILABLE, f"redis: {exc}", True)
     info = error_info(exc)
     if info.code == ErrorCode.INTERNAL:
@@ -125,7 +142,7 @@ class CacheTierService:
         self.observer = observer or ServiceObserver()
         self.url = ""
         self._endpoint: Endpoint | None = None
-        self._redis: Redis | None = None
+        self._redis: RedisClient | None = None
         self._server: asyncio.Server | None = None
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
@@ -139,17 +156,14 @@ class CacheTierService:
         }
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> RedisClient:
         if self._redis is None:
             raise RuntimeError("the service is not started")
         return self._redis
 
     async def start(self) -> str:
         """Connect to Redis and listen; returns the URL clients and agents connect to."""
-        pool = BlockingConnectionPool.from_url(self.settings.redis_url,
-                                               max_connections=self.settings.redis_connections,
-                                               timeout=self.settings.redis_wait_s)
-        self._redis = Redis(connection_pool=pool)
+        self._redis = connect_redis(self.settings.redis_target())
         self._server, self._endpoint = await Endpoint.parse(self.settings.listen).listen(
             self._connected)
         self.url = self._endpoint.url
@@ -174,7 +188,7 @@ class CacheTierService:
                 if coalescer is not None:
                     await coalescer.close()
         if self._redis is not None:
-            await self._redis.aclose(close_connection_pool=True)
+            await close_redis(self._redis)
         if self._endpoint is not None and self._endpoint.scheme == "unix":
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._endpoint.path)
@@ -331,12 +345,13 @@ class CacheTierService:
 
     async def _invalidate(self, state: _Pool, failure: CacheTierError) -> None:
         state.agents.fail_steps(failure)
-        epoch = await state.index.invalidate()
+        epoch = await _acknowledged(state.index.invalidate)
         self.observer.invalidated(state.agents.pool, epoch)
 
     def _new_pool(self, pool: str) -> _Pool:
         config = self.config_for(pool)
-        index = PrefixIndex(self.redis, pool, config, lease_s=self.settings.request_lease_s)
+        index = PrefixIndex(self.redis, pool, config, acks=self.settings.replica_acks(),
+                            lease_s=self.settings.request_lease_s)
         state = _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
         if self.settings.batch_tick_s > 0:
             tick, most = self.settings.batch_tick_s, config.cache.max_batch
@@ -464,7 +479,7 @@ class CacheTierService:
     async def _health(self, msg: Health) -> HealthReport:
         try:
             redis_ok = bool(await asyncio.wait_for(self.redis.ping(), 2.0))
-        except (RedisConnectionError, RedisTimeoutError, TimeoutError):
+        except (RedisError, TimeoutError):
             redis_ok = False
         pools = {name: sorted(s.agents.links) for name, s in self._pools.items() if s.agents.links}
         return HealthReport(self.settings.server_id, PROTOCOL_VERSION, redis_ok, pools)
@@ -482,6 +497,17 @@ async def _retry_if_stale(call: Callable[[], Awaitable[T]]) -> T:
         return await call()
     except StaleEpoch:
         return await call()
+
+
+async def _acknowledged(call: Callable[[], Awaitable[T]], tries: int = 5) -> T:
+    """Run a call that may safely run twice (a new epoch) until a replica acknowledges it: an
+    epoch bump lost in a failover would bring back pages the bump was meant to void."""
+    for _ in range(tries - 1):
+        try:
+            return await call()
+        except WriteNotAcknowledged:
+            logger.warning("an epoch bump was not acknowledged by a replica: sent again")
+    return await call()
 
 
 async def _release_now(index: PrefixIndex, rids: Sequence[str]) -> ReleaseResult:

@@ -1,0 +1,145 @@
+"""One Redis client for the index, whether the metadata lives on one server or a Redis Cluster.
+
+`connect(RedisTarget)` builds `redis.asyncio.Redis` over a `BlockingConnectionPool` for one server,
+or a `BoundedCluster` for a cluster: redis-py's `RedisCluster` has no blocking pool (past
+`max_connections` on a node it raises instead of waiting), so a semaphore bounds the calls in
+flight and each node gets a few connections more than that bound, for topology refreshes.
+`close` knows the two `aclose` signatures. Every key of a pool shares one hash tag, so each
+script runs whole on the master of its pool's slot, whichever shard that is.
+
+`is_transient` names the failures of the storage rather than of the call: a node down or
+failing over, a slot moving, a master refusing writes while it has no replica, a write no
+replica acknowledged in time. The same call may succeed once the cluster has settled, so the
+service answers them retryable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import (AskError, ClusterDownError, ClusterError, RedisClusterException,
+                              ReadOnlyError, RedisError, ResponseError, TryAgainError)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+RedisClient: TypeAlias = "Redis | BoundedCluster"
+
+_SPARE_CONNECTIONS = 8  # per node, beyond the bound: topology refreshes run beside the calls
+_REFUSED_WRITES = ("NOREPLICAS", "READONLY")  # a master without replicas, a demoted master
+
+
+class WriteNotAcknowledged(RedisError):
+    """A write ran on the master but no replica confirmed it in time: a failover now could lose
+    it, so the caller must not act on it (`index.execution`)."""
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """Where the index lives: `url` (redis://HOST:PORT or unix:///PATH) or `cluster_nodes`
+    (some of the cluster's nodes; the rest are discovered). `max_connections` bounds the calls
+    in flight; a call waits up to `wait_s` for one to finish."""
+
+    url: str = ""
+    cluster_nodes: tuple[tuple[str, int], ...] = ()
+    max_connections: int = 64
+    wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if bool(self.url) == bool(self.cluster_nodes):
+            raise ValueError("give a Redis URL or cluster nodes, not both and not neither")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+
+    @classmethod
+    def cluster(cls, nodes: str, **kwargs: Any) -> RedisTarget:
+        """From `host:port,host:port,...`."""
+        return cls(cluster_nodes=parse_nodes(nodes), **kwargs)
+
+    @property
+    def is_cluster(self) -> bool:
+        return bool(self.cluster_nodes)
+
+
+def parse_nodes(spec: str) -> tuple[tuple[str, int], ...]:
+    """`host:port,host:port` (a bare `:port` means loopback) as (host, port) pairs."""
+    nodes = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"cluster node {item!r} is not host:port")
+        nodes.append((host or "127.0.0.1", int(port)))
+    if not nodes:
+        raise ValueError("no cluster node given (host:port,host:port,...)")
+    return tuple(nodes)
+
+
+class BoundedCluster(RedisCluster):
+    """`RedisCluster` whose calls in flight are bounded: a call past the bound waits for one to
+    finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection."""
+
+    def __init__(self, nodes: tuple[tuple[str, int], ...], bound: int, wait_s: float) -> None:
+        super().__init__(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+                         max_connections=bound + _SPARE_CONNECTIONS, decode_responses=False)
+        self._calls = asyncio.Semaphore(bound)
+        self._wait_s = wait_s
+        self._refreshing = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def bounded(self) -> AsyncIterator[None]:
+        """One of the bounded calls in flight, for the whole of a command or a pipeline."""
+        try:
+            async with asyncio.timeout(self._wait_s):
+                await self._calls.acquire()
+        except TimeoutError:
+            raise RedisConnectionError(f"no Redis call slot free within {self._wait_s:g} s") \
+                from None
+        try:
+            yield
+        finally:
+            self._calls.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.bounded():
+            return await super().execute_command(*args, **kwargs)
+
+    async def refresh_topology(self) -> None:
+        """Read the slot map again (after a node failed or a slot moved under a pipeline that
+        went to a node directly); concurrent callers share one refresh."""
+        if self._refreshing.locked():
+            async with self._refreshing:
+                return
+        async with self._refreshing:
+            await self.initialize()
+            await self.nodes_manager.initialize()
+
+
+def connect(target: RedisTarget) -> RedisClient:
+    """The client for `target`; connections open on first use."""
+    if target.is_cluster:
+        return BoundedCluster(target.cluster_nodes, target.max_connections, target.wait_s)
+    pool = BlockingConnectionPool.from_url(target.url, max_connections=target.max_connections,
+                                           timeout=target.wait_s)
+    return Redis(connection_pool=pool)
+
+
+async def close(client: RedisClient) -> None:
+    """Close the client and every connection it opened, whichever kind it is."""
+    if isinstance(client, RedisCluster):
+        await client.aclose()
+    else:
+        await client.aclose(close_connection_pool=True)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` is the storage being unavailable or settling (see the module docstring)."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, ClusterDownError, ClusterError,
+                        RedisClusterException, TryAgainError, AskError, ReadOnlyError,
+                        WriteNotAcknowledged)):
+        return True
+    return isinstance(exc, ResponseError) and any(code in str(exc) for code in _REFUSED_WRITES)
