@@ -61,6 +61,7 @@ class ClusterNode(RedisServer):
 
     tcp: bool = True
     node_timeout_ms: int = 1000
+    min_replicas: int = 1  # a master with fewer replicas online refuses writes
 
     def _command(self, workdir: Path) -> list[str]:
         # the bus port is given: the default, port + 10000, is out of range for high free ports
@@ -68,7 +69,8 @@ class ClusterNode(RedisServer):
                 "--cluster-port", str(free_port()),
                 "--cluster-config-file", str(workdir / "nodes.conf"),
                 "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--min-replicas-to-write", "1", "--repl-diskless-sync-delay", "0"]
+                "--min-replicas-to-write", str(self.min_replicas),
+                "--repl-diskless-sync-delay", "0"]
 
     @property
     def address(self) -> str:
@@ -85,7 +87,7 @@ class LocalRedisCluster:
 
     shape: ClusterShape = field(default_factory=ClusterShape)
     node_timeout_ms: int = 1000
-    make_node: Callable[[int, int], ClusterNode] | None = None  # (index, node timeout) -> node
+    make_node: Callable[[int], ClusterNode] | None = None  # node i (None: a plain ClusterNode)
     nodes: list[ClusterNode] = field(default_factory=list, init=False)
 
     @property
@@ -96,8 +98,9 @@ class LocalRedisCluster:
     def start(self) -> Self:
         try:
             for i in range(self.shape.nodes):
-                node = (self.make_node(i, self.node_timeout_ms) if self.make_node else
-                        ClusterNode(node_timeout_ms=self.node_timeout_ms))
+                node = self.make_node(i) if self.make_node else ClusterNode()
+                node.node_timeout_ms = self.node_timeout_ms
+                node.min_replicas = min(1, self.shape.replicas)
                 self.nodes.append(node)
                 node.start()
             self._create()
@@ -128,6 +131,14 @@ class LocalRedisCluster:
 
     def node(self, port: int) -> ClusterNode:
         return next(node for node in self.nodes if node.port == port)
+
+    def master_of_slot(self, slot: int) -> ClusterNode:
+        """The node serving `slot` now, as the first live node answers."""
+        with self.live_nodes()[0].client() as client:
+            for first, last, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                if first <= slot <= last:
+                    return self.node(int(master[1]))
+        raise RuntimeError(f"slot {slot} is not served")
 
     def roles(self) -> dict[int, int | None]:
         """Port -> the port of its master (None for a master), as live nodes see it now."""
