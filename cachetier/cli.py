@@ -113,9 +113,17 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.run.nodes import run_service
     from cachetier.service.server import ServiceSettings
     settings = ServiceSettings(
-        redis_url=args.redis, token=_token(args), config=config_from_args(args), listen=args.listen,
-        copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
-        redis_connections=args.redis_connections)
+        redis_url=args.redis or "", token=_token(args), config=config_from_args(args),
+        listen=args.listen, copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
+        redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
+        redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout)
+    if args.redis_acks is not None and args.redis_acks < 0 or args.redis_ack_timeout < 1:
+        raise ConfigError("--redis-acks", "replicas must be >= 0 and the timeout >= 1 ms")
+    if args.redis_cluster:
+        try:
+            settings.redis_target()
+        except ValueError as exc:
+            raise ConfigError("--redis-cluster", str(exc)) from None
     if args.batch_tick is not None:
         if args.batch_tick < 0:
             raise ConfigError("--batch-tick", "must be >= 0")
@@ -210,8 +218,15 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run the control-plane service")
-    serve.add_argument("--redis", required=True, metavar="URL",
-                       help="redis://HOST:PORT or unix:///PATH")
+    storage = serve.add_mutually_exclusive_group(required=True)
+    storage.add_argument("--redis", metavar="URL", help="redis://HOST:PORT or unix:///PATH")
+    storage.add_argument("--redis-cluster", metavar="HOST:PORT,...",
+                         help="some nodes of a Redis Cluster (the others are discovered)")
+    serve.add_argument("--redis-acks", type=int, metavar="N",
+                       help="replicas that must hold a plan, commit, pin or epoch before it is "
+                            "answered (WAIT; default 1 with --redis-cluster, 0 with --redis)")
+    serve.add_argument("--redis-ack-timeout", type=int, default=100, metavar="MS",
+                       help="how long a write waits for its replicas (default 100 ms)")
     serve.add_argument("--listen", default="tcp://127.0.0.1:7400", metavar="URL",
                        help="tcp://HOST:PORT (port 0: any free port) or unix:///PATH")
     serve.add_argument("--copy-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -250,15 +265,21 @@ def _add_agent_parser(commands: Any) -> None:
 
 def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
     from cachetier.run.cluster import ClusterSettings
+    from cachetier.run.redis_cluster import ClusterShape
     args.overrides.append(("model.tp_degree", str(agents)))  # one agent per rank
     config = config_from_args(args)  # a bad configuration is refused here, not in a child
     serve_config = ["--preset", args.preset, *(["--config", args.config] if args.config else []),
                     *(["--hf-config", args.hf_config] if args.hf_config else []),
                     *(f"--set={key}={value}" for key, value in args.overrides)]
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    shape = getattr(args, "redis_cluster", None)
+    try:
+        redis_cluster = None if shape is None else ClusterShape.parse(shape)
+    except ValueError as exc:
+        raise ConfigError("--redis-cluster", str(exc)) from None
     return ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
-                           port=args.port)
+                           port=args.port, redis_cluster=redis_cluster)
 
 
 def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -328,6 +349,9 @@ def _add_up_parser(commands: Any) -> None:
                     help="with --vllm-model: the hash unit (vLLM's prefix_match_unit; default "
                          "vLLM's attention block, where restores are bit-exact; 128 also serves "
                          "prompt tails)")
+    up.add_argument("--redis-cluster", nargs="?", const="3x2", metavar="MASTERSxREPLICAS",
+                    help="a local Redis Cluster instead of one redis-server (default 3x2: three "
+                         "shards of a master and two replicas; a new cluster per run)")
     up.add_argument("--pool-pages", type=int, default=1024, metavar="N",
                     help="with --vllm-model: pages in the pool (default 1024)")
     up.add_argument("--kv-events-endpoint", metavar="URL",

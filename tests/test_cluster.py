@@ -101,3 +101,47 @@ def test_a_dead_agent_stops_the_cluster_without_orphans(tmp_path):
         proc.wait()
     assert "agent-0 exited with code -9" in console.read_text()
     assert not [name for name, pid in pids.items() if running(pid)]
+
+
+def test_up_with_a_redis_cluster_serves_and_stops_every_node(tmp_path):
+    """`up --redis-cluster 3x1`: the service runs on a local Redis Cluster (pool0 registered
+    there, a prompt served twice hits), and Ctrl-C stops every node with the rest."""
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    with open(console, "wb") as out:
+        proc = subprocess.Popen([*UP, "--agents", "1", "--redis-cluster", "3x1", "--token", "t",
+                                 "--run-dir", str(run_dir)], stdout=out, stderr=out)
+    try:
+        wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
+        pids = children(run_dir)
+        assert {f"redis-{i}" for i in range(6)} <= set(pids) and "redis" not in pids
+        assert all(running(pid) for pid in pids.values())
+        url = re.search(r"service (\S+) ", console.read_text())[1]
+        hits = subprocess.run([sys.executable, "-c", SERVE_TWICE, url], capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert hits.returncode == 0 and hits.stdout.split() == ["0", "96"], hits.stderr
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "redis cluster 3x1" in console.read_text()
+    assert not [name for name, pid in pids.items() if running(pid)]
+    for log in ("service.log", "agent-0.log", "redis-0.log"):
+        assert "Traceback" not in (run_dir / log).read_text(), log
+
+
+SERVE_TWICE = """
+import asyncio, sys
+from cachetier.client import CacheTierClient
+from index.lifecycle import RequestLifecycle
+from tests.index_harness import commit_item, new_request, only
+async def main():
+    async with CacheTierClient(sys.argv[1], token="t", timeout=10) as tier:
+        for rid in ("a", "b"):
+            tokens = list(range(100)) + ([1] if rid == "b" else [])
+            async with RequestLifecycle(tier.pool("pool0")) as steps:
+                step = only(await steps.plan([new_request(rid, tokens, len(tokens), 16)]))
+                await steps.finish([commit_item(step, len(tokens), True, True, 16)])
+            print(step.hit_tokens)
+asyncio.run(main())
+"""

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DEFAULT_TOKEN = "cachetier-dev-token"
 AGENTS = {"agent-gpu0": 0, "agent-gpu1": 1}
+CLUSTER_NODES = [f"redis-node-{i}" for i in range(9)]  # profile "cluster": 3 masters x 2 replicas
 CLI_DEFAULT_LISTEN = build_parser().parse_args(["serve", "--redis", "redis://r"]).listen
 SERVICE_PORT = int(CLI_DEFAULT_LISTEN.rsplit(":", 1)[1])
 
@@ -75,7 +76,35 @@ def test_a_missing_docker_compose_fails_with_the_fix(monkeypatch: pytest.MonkeyP
 
 
 def test_the_services(services: dict[str, Any]) -> None:
-    assert set(services) == {"redis", "mosquitto", "service", *AGENTS}
+    assert set(services) == {"redis", "mosquitto", "service", *AGENTS, *CLUSTER_NODES,
+                             "redis-cluster-init"}
+    profiled = {name for name, service in services.items() if service.get("profiles")}
+    assert profiled == {*CLUSTER_NODES, "redis-cluster-init"}
+
+
+def test_the_cluster_profile_runs_the_settings_the_index_needs(services: dict[str, Any]) -> None:
+    for name in CLUSTER_NODES:
+        node = services[name]
+        assert node["image"] == "redis:7" and node["profiles"] == ["cluster"]
+        assert flags(node) | {"--cluster-node-timeout": "?"} == {
+            "--cluster-enabled": "yes", "--cluster-config-file": "nodes.conf",
+            "--cluster-node-timeout": "?", "--min-replicas-to-write": "1",
+            "--repl-diskless-sync-delay": "0", "--appendonly": "yes", "--appendfsync": "everysec"}
+        assert int(flags(node)["--cluster-node-timeout"]) <= 5000
+        assert any(volume.split(":")[1] == "/data" for volume in node["volumes"])
+    init = services["redis-cluster-init"]
+    script = " ".join(argv(init))
+    assert "--cluster-replicas 2 --cluster-yes" in script
+    assert "for n in 0 1 2 3 4 5 6 7 8; do" in script  # every node's address, resolved
+    assert set(init["depends_on"]) == set(CLUSTER_NODES)
+
+
+def test_the_service_takes_the_cluster_from_the_environment() -> None:
+    nodes = ",".join(f"{name}:6379" for name in CLUSTER_NODES[:3])
+    services = load_config(CACHETIER_REDIS=f"--redis-cluster {nodes}")["services"]
+    words = argv(services["service"])
+    assert "--redis" not in words and flags(services["service"])["--redis-cluster"] == nodes
+    build_parser().parse_args(words[1:])
 
 
 def test_redis_persists_with_aof(services: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from tests.cluster_harness import (BLOCK, TINY, TOKEN, assert_no_pins, running_a
 from tests.index_harness import commit_item, new_request, only
 
 DOC = [5 + (11 * i) % 997 for i in range(300)]
+BALLAST = 32 << 20  # bytes: more than the kernel buffers of a replication link on loopback
 
 
 def pool_on(cluster: LocalRedisCluster, master_port: int, avoid: set[str] = frozenset()) -> str:
@@ -54,6 +55,15 @@ def masters(cluster: LocalRedisCluster) -> list[int]:
 
 def master_of_pool(cluster: LocalRedisCluster, pool: str) -> int:
     return cluster.master_of_slot(key_slot(pool_keys(pool)[0].encode())).port
+
+
+async def assert_clean(cluster: LocalRedisCluster, pool: str) -> None:
+    """No request, ticket or pin left in `pool`, read on the master serving it now."""
+    redis = connect(RedisTarget(f"redis://{cluster.node(master_of_pool(cluster, pool)).address}"))
+    try:
+        await assert_no_pins(redis, pool)
+    finally:
+        await close(redis)
 
 
 @pytest.fixture
@@ -142,3 +152,154 @@ def test_storage_failures_are_retryable(exc):
 def test_other_script_errors_stay_internal():
     info = describe(ResponseError("ERR user_script:1: Script attempted to access a non local key"))
     assert not info.retryable and info.code == ErrorCode.INTERNAL
+
+
+class Tickets:
+    """Every ticket a caller was given (plans and commits draw from one counter per pool and
+    epoch), and every error: a ticket given twice means a write a caller acted on was lost."""
+
+    def __init__(self) -> None:
+        self.given: list[tuple[int, int]] = []
+        self.retryable: dict[str, int] = {}
+        self.bad: list[str] = []
+        self.steps = 0
+
+    def failed(self, op: str, exc: BaseException) -> None:
+        if isinstance(exc, RemoteError) and exc.retryable:
+            self.retryable[exc.code] = self.retryable.get(exc.code, 0) + 1
+        else:
+            self.bad.append(f"{op}: {type(exc).__name__}: {exc}")
+
+    def reused(self) -> list[tuple[int, int]]:
+        return sorted({t for t in self.given if self.given.count(t) > 1})
+
+
+async def one_request(tier: CacheTierClient, pool: str, rid: str, tokens: list[int],
+                      tickets: Tickets) -> None:
+    """Plan, commit, confirm; released whatever happens (retried while the storage settles)."""
+    op = "plan"
+    try:
+        plan = await tier.plan(pool, [new_request(rid, tokens, len(tokens), BLOCK)])
+        if not isinstance(plan, StepPlan):
+            return
+        tickets.given.append((plan.epoch, plan.ticket))
+        op = "commit"
+        done = await tier.commit(pool, [commit_item(only(plan), len(tokens), True, True, BLOCK)])
+        tickets.given.append((plan.epoch, done.ticket))
+        op = "confirm"
+        await tier.confirm(pool, done.ticket)
+        tickets.steps += 1
+    except CacheTierError as exc:
+        tickets.failed(op, exc)
+        await asyncio.sleep(0.02)
+    finally:
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    await tier.release(pool, [rid])
+                    break
+                except CacheTierError as exc:
+                    tickets.failed("release", exc)
+                    await asyncio.sleep(0.05)
+
+
+async def load(url: str, pool: str, n: int, stop: asyncio.Event, tickets: Tickets) -> None:
+    async with CacheTierClient(url, token=TOKEN, timeout=15, connect_timeout=10) as tier:
+        i = 0
+        while not stop.is_set():
+            tokens = DOC[:40 + (7 * i + 13 * n) % 200] + [n, i]
+            await one_request(tier, pool, f"c{n}-{i}", tokens, tickets)
+            i += 1
+
+
+async def more_steps(tickets: Tickets, count: int, timeout_s: float = 30) -> None:
+    target = tickets.steps + count
+    async with asyncio.timeout(timeout_s):
+        while tickets.steps < target:
+            await asyncio.sleep(0.02)
+
+
+async def until_master(cluster: LocalRedisCluster, port: int) -> None:
+    async with asyncio.timeout(30):
+        while (await asyncio.to_thread(cluster.roles)).get(port, 0) is not None:
+            await asyncio.sleep(0.05)
+
+
+def replicas_of(cluster: LocalRedisCluster, port: int) -> list[int]:
+    return sorted(p for p, master in cluster.roles().items() if master == port)
+
+
+async def test_a_failover_under_load_loses_nothing_a_caller_acted_on(own_cluster):
+    """Four clients plan, commit, confirm and release while the pool's master hands over to a
+    replica (CLUSTER FAILOVER), and then that new master is SIGKILLed and replaced by a healthy
+    replica: only retryable errors, every new master (no scripts cached) serves, no ticket is
+    given twice, and nothing is left pinned."""
+    cluster = own_cluster
+    pool = pool_on(cluster, masters(cluster)[0])
+    first = master_of_pool(cluster, pool)
+    tickets, stop = Tickets(), asyncio.Event()
+    async with running_service("", redis_cluster=cluster.startup_nodes, batch_tick_s=0) as service, \
+            running_agent(service.url, pool=pool):
+        clients = [asyncio.create_task(load(service.url, pool, n, stop, tickets))
+                   for n in range(4)]
+        try:
+            await more_steps(tickets, 20)
+            handover = replicas_of(cluster, first)[0]
+            with cluster.node(handover).client() as replica:
+                replica.execute_command("CLUSTER", "FAILOVER")
+            await until_master(cluster, handover)
+            await more_steps(tickets, 20)
+            os.kill(cluster.node(handover).pid, signal.SIGKILL)
+            await asyncio.to_thread(cluster.wait_ready)
+            assert master_of_pool(cluster, pool) not in (handover, )
+            await more_steps(tickets, 20)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+    assert tickets.bad == []
+    assert tickets.reused() == []
+    assert tickets.retryable, "the failovers were not seen at all"
+    await assert_clean(cluster, pool)
+
+
+@pytest.mark.parametrize("acks", [None, 0], ids=["acknowledged", "unacknowledged"])
+async def test_a_failover_to_frozen_replicas_loses_only_writes_no_caller_acted_on(own_cluster,
+                                                                                 acks):
+    """Both replicas of the pool's master are frozen (SIGSTOP) while it takes writes (behind a
+    ballast that fills the links' socket buffers, so they stay in the master's output buffer),
+    then it is SIGKILLed and one of them promoted without those writes. Acknowledged (the default on a
+    cluster), the plans made meanwhile were answered retryable, so no caller acted on them and
+    no ticket is given twice; unacknowledged, the same scenario hands a ticket out twice."""
+    cluster = own_cluster
+    pool = pool_on(cluster, masters(cluster)[0])
+    master = master_of_pool(cluster, pool)
+    frozen = replicas_of(cluster, master)
+    tickets = Tickets()
+    async with running_service("", redis_cluster=cluster.startup_nodes,
+                               redis_acks=acks) as service, running_agent(service.url, pool=pool):
+        async with CacheTierClient(service.url, token=TOKEN, timeout=15) as tier:
+            await one_request(tier, pool, "before", DOC[:100], tickets)
+            for port in frozen:
+                os.kill(cluster.node(port).pid, signal.SIGSTOP)
+            with cluster.node(master).client() as direct:  # fills the frozen links' buffers, so
+                direct.set(f"ballast{{{pool}}}", b"x" * BALLAST)  # what follows stays on the master
+            try:
+                for i in range(3):
+                    await one_request(tier, pool, f"frozen-{i}", DOC[:60] + [i], tickets)
+            finally:
+                os.kill(cluster.node(master).pid, signal.SIGKILL)
+                for port in frozen:
+                    os.kill(cluster.node(port).pid, signal.SIGCONT)
+            await asyncio.to_thread(cluster.wait_ready)
+            steps = tickets.steps
+            async with asyncio.timeout(30):
+                for i in range(3):
+                    while tickets.steps == steps + i:
+                        await one_request(tier, pool, f"after-{i}", DOC[:80] + [i], tickets)
+    assert tickets.bad == []
+    if acks == 0:
+        assert tickets.reused(), "without WAIT the promotion should have lost acted-on tickets"
+        return
+    assert tickets.retryable.get(ErrorCode.REDIS_UNAVAILABLE)
+    assert tickets.reused() == []
+    await assert_clean(cluster, pool)

@@ -1,7 +1,9 @@
 """`cachetier up`: the whole cluster on this machine, for a newcomer's first run and for tests.
 
 It starts, in order, a redis-server (AOF on, its data under the run directory, so restarting `up`
-on the same directory keeps the metadata), mosquitto, `cachetier serve` and one `cachetier agent`
+on the same directory keeps the metadata) or, with `--redis-cluster MASTERSxREPLICAS`, a local
+Redis Cluster (`run.redis_cluster`: a new one per run, its nodes' logs in the run directory),
+mosquitto, `cachetier serve` and one `cachetier agent`
 per tensor-parallel rank of pool `pool0` on the CPU, each only once the previous one answers, and
 stops them in the reverse order (agents first, so the broker never sends Wills of live agents).
 Every child runs in its own session, so a Ctrl-C reaches `up` alone and the order holds, and gets
@@ -29,6 +31,7 @@ from typing import Any, Self
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
 from cachetier.errors import CacheTierError
+from cachetier.run.redis_cluster import ClusterNode, ClusterShape, LocalRedisCluster
 from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
                                    terminate)
 
@@ -53,6 +56,7 @@ class ClusterSettings:
     startup_timeout_s: float = 60.0  # agents import torch: seconds each on a small machine
     # where `events vllm` republishes the pool's cache events as vLLM KV events (ZeroMQ), if set
     kv_events_endpoint: str | None = None
+    redis_cluster: ClusterShape | None = None  # None: one redis-server
 
 
 @dataclass(kw_only=True)
@@ -87,6 +91,11 @@ class _DurableRedis(_LoggedServer, RedisServer):
     def _command(self, workdir: Path) -> list[str]:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return [*super()._command(workdir), "--appendonly", "yes", "--dir", str(self.data_dir)]
+
+
+@dataclass(kw_only=True)
+class _LoggedClusterNode(_LoggedServer, ClusterNode):
+    """A node of `up --redis-cluster`, its log `redis-<i>.log` in the run directory."""
 
 
 @dataclass(kw_only=True)
@@ -146,6 +155,9 @@ class Cluster:
         self.run_dir = settings.run_dir
         self.redis = _DurableRedis(log_file=self.run_dir / "redis.log",
                                    data_dir=self.run_dir / "redis-data")
+        self.redis_cluster = None if settings.redis_cluster is None else LocalRedisCluster(
+            settings.redis_cluster,
+            make_node=lambda i: _LoggedClusterNode(log_file=self.run_dir / f"redis-{i}.log"))
         self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log")
         self.service_url = ""
         self.nodes: list[Node] = []
@@ -171,9 +183,8 @@ class Cluster:
 
     def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._record("redis", self._stack.enter_context(self.redis).pid)
         self._record("mosquitto", self._stack.enter_context(self.mqtt).pid)
-        service = self._spawn("service", ["serve", "--redis", self.redis.url,
+        service = self._spawn("service", ["serve", *self._start_redis(),
                                           "--listen", f"tcp://127.0.0.1:{self.settings.port}",
                                           *self._node_args(), *self.settings.serve_config_args])
         url = service.wait_for(_LISTENING, self.settings.startup_timeout_s)[1]
@@ -191,6 +202,16 @@ class Cluster:
                                                  self.settings.kv_events_endpoint,
                                                  *self.settings.serve_config_args])
             bridge.wait_for(_BRIDGING, self.settings.startup_timeout_s)
+
+    def _start_redis(self) -> list[str]:
+        """Start the server or the cluster; the flags that give `serve` its address."""
+        if self.redis_cluster is None:
+            self._record("redis", self._stack.enter_context(self.redis).pid)
+            return ["--redis", self.redis.url]
+        self._stack.enter_context(self.redis_cluster)
+        for i, node in enumerate(self.redis_cluster.nodes):
+            self._record(f"redis-{i}", node.pid)
+        return ["--redis-cluster", self.redis_cluster.startup_nodes]
 
     def _node_args(self) -> list[str]:
         return ["--mqtt", self.mqtt.url]
@@ -234,8 +255,14 @@ class Cluster:
             node.check_alive()
 
     def describe(self) -> str:
+        if self.redis_cluster is None:
+            redis = f"redis {self.redis.url}"
+        else:
+            shape = self.redis_cluster.shape
+            redis = (f"redis cluster {shape.masters}x{shape.replicas} "
+                     f"{self.redis_cluster.startup_nodes}")
         return (f"service {self.service_url} (pool {POOL}, {self.settings.agents} CPU agents), "
-                f"redis {self.redis.url}, mqtt {self.mqtt.url}, token {self.settings.token}")
+                f"{redis}, mqtt {self.mqtt.url}, token {self.settings.token}")
 
 
 def _interrupt(signum: int, frame: Any) -> None:
