@@ -37,11 +37,12 @@ KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "
 _POOL_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
-def pool_keys(pool_id: str) -> list[str]:
-    """All keys of one pool share the `{pool_id}` hash tag: one Redis Cluster slot per pool."""
+def pool_keys(pool_id: str, tag: str | None = None) -> list[str]:
+    """All keys of one pool share the `{pool_id}` hash tag (or the `tag` its placement chose on a
+    cluster, `index.placement`): one Redis Cluster slot per pool."""
     if not _POOL_ID.match(pool_id):
         raise ValueError(f"pool id {pool_id!r} must be 1-128 characters of [A-Za-z0-9_.:-]")
-    return [f"ct:{{{pool_id}}}:{name}" for name in KEY_NAMES]
+    return [f"ct:{{{tag or pool_id}}}:{name}" for name in KEY_NAMES]
 
 
 def pool_fields(config: Config, weights: EvictionWeights) -> dict[str, int | float]:
@@ -57,13 +58,14 @@ def pool_fields(config: Config, weights: EvictionWeights) -> dict[str, int | flo
 
 class PrefixIndex:
     def __init__(self, redis: Redis, pool_id: str, config: Config,
-                 weights: EvictionWeights | None = None, acks: ReplicaAcks | None = None, *,
-                 lease_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+                 weights: EvictionWeights | None = None, acks: ReplicaAcks | None = None,
+                 tag: str | None = None, *, lease_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
         self.pool_id = pool_id
         self.config = config
         self.weights = weights or lru()
-        self.keys = pool_keys(pool_id)
+        self.keys = pool_keys(pool_id, tag)
         self.epoch = 0
         self.lease_s = lease_s
         self.clock = clock

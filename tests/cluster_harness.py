@@ -60,9 +60,10 @@ async def eventually(probe: Callable[[], Awaitable[T]], done: Callable[[T], bool
     return value
 
 
-async def assert_no_pins(redis: Any, pool: str = "p") -> None:
-    """The tiny pool holds no request, no ticket and no pin, and its invariants hold."""
-    state = await read_pool(redis, pool_keys(pool))
+async def assert_no_pins(redis: Any, pool: str = "p", tag: str | None = None) -> None:
+    """The tiny pool holds no request, no ticket and no pin, and its invariants hold (`tag`:
+    where its placement put it on a cluster)."""
+    state = await read_pool(redis, pool_keys(pool, tag))
     sanity_check(state, TINY.cache.num_pages, TINY.cache.blocks_per_page)
     assert state.req == {} and state.tix == {}
     assert all(rec.get("ref", 0) == 0 for rec in state.pages.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
 import signal
 from collections.abc import AsyncIterator, Iterator
 
@@ -30,6 +31,7 @@ from index.execution import ReplicaAcks
 from index.lifecycle import RequestLifecycle
 from index.records import StepPlan
 from index.redis_link import BoundedCluster, RedisTarget, WriteNotAcknowledged, close, connect
+from index.placement import ShardPlacement, tag_slot
 from index.store import PrefixIndex, pool_keys
 from tests.cluster_harness import (BLOCK, TINY, TOKEN, assert_no_pins, running_agent,
                                    running_service)
@@ -39,29 +41,40 @@ DOC = [5 + (11 * i) % 997 for i in range(300)]
 BALLAST = 32 << 20  # bytes: more than the kernel buffers of a replication link on loopback
 
 
-def pool_on(cluster: LocalRedisCluster, master_port: int, avoid: set[str] = frozenset()) -> str:
-    """A pool id whose keys' slot the master on `master_port` serves."""
-    for n in range(10_000):
-        pool = f"p{n}"
-        slot = key_slot(pool_keys(pool)[0].encode())
-        if pool not in avoid and cluster.master_of_slot(slot).port == master_port:
-            return pool
-    raise AssertionError(f"no pool id lands on {master_port}")
+def pools_by_crc(cluster: LocalRedisCluster, master_port: int, count: int) -> list[str]:
+    """Pool ids that CRC16 alone (the `{pool}` tag) would all put on `master_port`."""
+    pools = [f"p{n}" for n in range(10_000)
+             if cluster.master_of_slot(key_slot(pool_keys(f"p{n}")[0].encode())).port
+             == master_port]
+    return pools[:count]
 
 
 def masters(cluster: LocalRedisCluster) -> list[int]:
     return sorted(port for port, master in cluster.roles().items() if master is None)
 
 
-def master_of_pool(cluster: LocalRedisCluster, pool: str) -> int:
-    return cluster.master_of_slot(key_slot(pool_keys(pool)[0].encode())).port
+async def placed_tag(cluster: LocalRedisCluster, pool: str) -> str:
+    """The hash tag the service's placement chose for `pool`."""
+    redis = connect(RedisTarget.cluster(cluster.live_nodes()[0].address))
+    try:
+        tag = await ShardPlacement(redis).resolve(pool, create=False)
+    finally:
+        await close(redis)
+    assert tag is not None, f"pool {pool} was never placed"
+    return tag
+
+
+async def master_of_pool(cluster: LocalRedisCluster, pool: str) -> int:
+    return cluster.master_of_slot(tag_slot(await placed_tag(cluster, pool))).port
 
 
 async def assert_clean(cluster: LocalRedisCluster, pool: str) -> None:
     """No request, ticket or pin left in `pool`, read on the master serving it now."""
-    redis = connect(RedisTarget(f"redis://{cluster.node(master_of_pool(cluster, pool)).address}"))
+    tag = await placed_tag(cluster, pool)
+    master = cluster.master_of_slot(tag_slot(tag))
+    redis = connect(RedisTarget(f"redis://{master.address}"))
     try:
-        await assert_no_pins(redis, pool)
+        await assert_no_pins(redis, pool, tag)
     finally:
         await close(redis)
 
@@ -75,6 +88,7 @@ def own_cluster() -> Iterator[LocalRedisCluster]:
 
 @pytest.fixture
 async def cluster_client(redis_cluster: LocalRedisCluster) -> AsyncIterator[BoundedCluster]:
+    """A client of the shared cluster, emptied first (pools and placements of other tests)."""
     client = connect(RedisTarget.cluster(redis_cluster.startup_nodes))
     assert isinstance(client, BoundedCluster)
     await client.flushall()
@@ -92,8 +106,11 @@ async def serve_prompt(tier: CacheTierClient, pool: str, rid: str, tokens: list[
     return plan
 
 
-async def test_one_service_serves_pools_on_every_shard(redis_cluster, cluster_client):
-    pools = [pool_on(redis_cluster, port) for port in masters(redis_cluster)]
+async def test_one_service_spreads_pools_evenly_and_serves_them_on_every_shard(redis_cluster,
+                                                                             cluster_client):
+    """Six pools whose ids CRC16 would all put on one master are placed two per master, and
+    each is served there through the same service."""
+    pools = pools_by_crc(redis_cluster, masters(redis_cluster)[0], 6)
     async with running_service("", redis_cluster=redis_cluster.startup_nodes) as service:
         agents = [running_agent(service.url, pool=pool) for pool in pools]
         for agent in agents:
@@ -110,9 +127,10 @@ async def test_one_service_serves_pools_on_every_shard(redis_cluster, cluster_cl
         finally:
             for agent in reversed(agents):
                 await agent.__aexit__(None, None, None)
-    assert len({master_of_pool(redis_cluster, pool) for pool in pools}) == 3
+    placed = [await master_of_pool(redis_cluster, pool) for pool in pools]
+    assert sorted(Counter(placed).values()) == [2, 2, 2]
     for pool in pools:
-        await assert_no_pins(cluster_client, pool)
+        await assert_clean(redis_cluster, pool)
 
 
 async def test_scripts_reload_on_their_own_slot_while_another_shard_is_down():
@@ -120,7 +138,7 @@ async def test_scripts_reload_on_their_own_slot_while_another_shard_is_down():
     pool's slot; redis-py's reload (SCRIPT LOAD on every primary) fails while a shard is down."""
     with LocalRedisCluster(ClusterShape(3, 1), node_timeout_ms=5000) as cluster:
         ports = masters(cluster)
-        pool = pool_on(cluster, ports[0])
+        pool = pools_by_crc(cluster, ports[0], 1)[0]  # PrefixIndex alone: the `{pool}` tag
         redis = connect(RedisTarget.cluster(cluster.startup_nodes))
         try:
             for acks in (None, ReplicaAcks()):
@@ -235,11 +253,11 @@ async def test_a_failover_under_load_loses_nothing_a_caller_acted_on(own_cluster
     replica: only retryable errors, every new master (no scripts cached) serves, no ticket is
     given twice, and nothing is left pinned."""
     cluster = own_cluster
-    pool = pool_on(cluster, masters(cluster)[0])
-    first = master_of_pool(cluster, pool)
+    pool = "p"
     tickets, stop = Tickets(), asyncio.Event()
     async with running_service("", redis_cluster=cluster.startup_nodes, batch_tick_s=0) as service, \
             running_agent(service.url, pool=pool):
+        first = await master_of_pool(cluster, pool)
         clients = [asyncio.create_task(load(service.url, pool, n, stop, tickets))
                    for n in range(4)]
         try:
@@ -251,7 +269,7 @@ async def test_a_failover_under_load_loses_nothing_a_caller_acted_on(own_cluster
             await more_steps(tickets, 20)
             os.kill(cluster.node(handover).pid, signal.SIGKILL)
             await asyncio.to_thread(cluster.wait_ready)
-            assert master_of_pool(cluster, pool) not in (handover, )
+            assert await master_of_pool(cluster, pool) != handover
             await more_steps(tickets, 20)
         finally:
             stop.set()
@@ -271,18 +289,19 @@ async def test_a_failover_to_frozen_replicas_loses_only_writes_no_caller_acted_o
     cluster), the plans made meanwhile were answered retryable, so no caller acted on them and
     no ticket is given twice; unacknowledged, the same scenario hands a ticket out twice."""
     cluster = own_cluster
-    pool = pool_on(cluster, masters(cluster)[0])
-    master = master_of_pool(cluster, pool)
-    frozen = replicas_of(cluster, master)
+    pool = "p"
     tickets = Tickets()
     async with running_service("", redis_cluster=cluster.startup_nodes,
                                redis_acks=acks) as service, running_agent(service.url, pool=pool):
+        tag = await placed_tag(cluster, pool)
+        master = cluster.master_of_slot(tag_slot(tag)).port
+        frozen = replicas_of(cluster, master)
         async with CacheTierClient(service.url, token=TOKEN, timeout=15) as tier:
             await one_request(tier, pool, "before", DOC[:100], tickets)
             for port in frozen:
                 os.kill(cluster.node(port).pid, signal.SIGSTOP)
             with cluster.node(master).client() as direct:  # fills the frozen links' buffers, so
-                direct.set(f"ballast{{{pool}}}", b"x" * BALLAST)  # what follows stays on the master
+                direct.set(f"ballast{{{tag}}}", b"x" * BALLAST)  # what follows stays on the master
             try:
                 for i in range(3):
                     await one_request(tier, pool, f"frozen-{i}", DOC[:60] + [i], tickets)

@@ -49,6 +49,7 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.execution import ReplicaAcks
+from index.placement import ShardPlacement
 from index.lifecycle import RequestLifecycle
 from index.prefix import PinnedPrefix
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
@@ -143,6 +144,7 @@ class CacheTierService:
         self.url = ""
         self._endpoint: Endpoint | None = None
         self._redis: RedisClient | None = None
+        self._placement: ShardPlacement | None = None  # each pool's hash tag (its shard)
         self._server: asyncio.Server | None = None
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
@@ -161,9 +163,16 @@ class CacheTierService:
             raise RuntimeError("the service is not started")
         return self._redis
 
+    @property
+    def placement(self) -> ShardPlacement:
+        if self._placement is None:
+            raise RuntimeError("the service is not started")
+        return self._placement
+
     async def start(self) -> str:
         """Connect to Redis and listen; returns the URL clients and agents connect to."""
         self._redis = connect_redis(self.settings.redis_target())
+        self._placement = ShardPlacement(self._redis, self.settings.replica_acks())
         self._server, self._endpoint = await Endpoint.parse(self.settings.listen).listen(
             self._connected)
         self.url = self._endpoint.url
@@ -192,7 +201,7 @@ class CacheTierService:
         if self._endpoint is not None and self._endpoint.scheme == "unix":
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._endpoint.path)
-        self._server = self._redis = self._endpoint = self._reaper = None
+        self._server = self._redis = self._endpoint = self._reaper = self._placement = None
 
     async def __aenter__(self) -> CacheTierService:
         await self.start()
@@ -306,6 +315,8 @@ class CacheTierService:
             raise BadMessage(f"rank {msg.rank} of tp_degree {msg.tp_degree} does not fit this "
                              f"service's model (tp_degree {tp})")
         async with self._registering:
+            if msg.pool not in self._pools:
+                await self.placement.resolve(msg.pool, create=True)
             state = self._pools.get(msg.pool) or self._new_pool(msg.pool)
             await state.index.create()  # a pool of another geometry is refused here
             self._pools[msg.pool] = state
@@ -351,6 +362,7 @@ class CacheTierService:
     def _new_pool(self, pool: str) -> _Pool:
         config = self.config_for(pool)
         index = PrefixIndex(self.redis, pool, config, acks=self.settings.replica_acks(),
+                            tag=self.placement.cached(pool),
                             lease_s=self.settings.request_lease_s)
         state = _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
         if self.settings.batch_tick_s > 0:
@@ -365,6 +377,8 @@ class CacheTierService:
         requests naming random pools cost no memory."""
         if pool in self._pools:
             return self._pools[pool]
+        if await self.placement.resolve(pool, create=False) is None:
+            raise UnknownPool(f"unknown pool {pool!r}: no agent has registered it")
         state = self._new_pool(pool)
         state.index.epoch = await state.index.current_epoch()
         if state.index.epoch == 0:
