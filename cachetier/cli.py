@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from cachetier.events.vllm_bridge import VllmEventBridge
     from cachetier.run.cluster import ClusterSettings
 
-BENCHES = ("lookup", "restore", "service", "transfer", "vllm")
+BENCHES = ("cluster", "lookup", "restore", "service", "transfer", "vllm")
 
 
 def _config_show(args: argparse.Namespace, rest: Sequence[str]) -> int:

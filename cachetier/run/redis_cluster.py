@@ -76,9 +76,6 @@ class ClusterNode(RedisServer):
     def address(self) -> str:
         return f"{LOOPBACK}:{self.port}"
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2.0)
-
 
 @dataclass
 class LocalRedisCluster:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import redis
+
 LOOPBACK = "127.0.0.1"
 _STOP_TIMEOUT_S = 5.0
 _LOG_TAIL_BYTES = 4000
@@ -195,6 +197,10 @@ class RedisServer(ChildServer):
             listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         return [self.binary, *listen, "--save", "", "--appendonly", "no", "--dir", str(workdir),
                 "--daemonize", "no", "--logfile", ""]
+
+    def client(self) -> redis.Redis:
+        """A blocking client, for setting up and inspecting the server."""
+        return redis.Redis.from_url(self.url, socket_timeout=2.0)
 
     def _connect(self) -> socket.socket:
         if self.tcp:
