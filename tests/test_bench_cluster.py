@@ -11,7 +11,7 @@ from cachetier.cli import main
 
 KEYS = {"single_rps", "cluster_rps", "shards", "pools", "wait_p50_us", "failover_unavailable_s",
         "lost_acknowledged_writes", "shard_cpu_us_per_request", "single_cpu_us_per_request",
-        "one_core_per_shard_rps", "note"}
+        "one_core_per_shard_rps", "single_one_core_rps", "note"}
 
 
 def test_quick_run_reports_both_targets_and_the_failover(capsys: pytest.CaptureFixture[str]):

@@ -43,8 +43,9 @@ BALLAST = 32 << 20  # bytes: more than the kernel buffers of a replication link 
 
 def pools_by_crc(cluster: LocalRedisCluster, master_port: int, count: int) -> list[str]:
     """Pool ids that CRC16 alone (the `{pool}` tag) would all put on `master_port`."""
+    slots = cluster.slot_map()
     pools = [f"p{n}" for n in range(10_000)
-             if cluster.master_of_slot(key_slot(pool_keys(f"p{n}")[0].encode())).port
+             if cluster.master_of_slot(key_slot(pool_keys(f"p{n}")[0].encode()), slots).port
              == master_port]
     return pools[:count]
 

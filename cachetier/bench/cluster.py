@@ -20,7 +20,8 @@ cluster's throughput here says little about scale-out. Each shard's CPU time per
 (`INFO cpu` of its master, before and after, over the cycles of its pools) is reported instead
 (`shard_cpu_us_per_request`), and `one_core_per_shard_rps` is the throughput those figures allow
 with a core per shard and the pools spread as placed: the least capacity of a shard (1 s over
-its CPU per cycle) divided by its share of the pools.
+its CPU per cycle) divided by its share of the pools, next to `single_one_core_rps` (1 s over
+the single server's CPU per cycle).
 """
 
 from __future__ import annotations
@@ -281,7 +282,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "single_rps": single["rps"], "cluster_rps": cluster.pop("rps"),
         "shards": cluster.pop("shards"), "pools": args.pools, "clients_per_pool": args.clients,
-        "single_cpu_us_per_request": single["cpu_us_per_request"], **cluster,
+        "single_cpu_us_per_request": single["cpu_us_per_request"],
+        "single_one_core_rps": 1e6 / single["cpu_us_per_request"], **cluster,
         "single_errors": single["errors"],
         "note": "every shard, replica and caller shares this machine's cores: compare the "
                 "CPU per request, not the throughputs; one_core_per_shard_rps is what the "

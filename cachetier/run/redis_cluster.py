@@ -129,12 +129,18 @@ class LocalRedisCluster:
     def node(self, port: int) -> ClusterNode:
         return next(node for node in self.nodes if node.port == port)
 
-    def master_of_slot(self, slot: int) -> ClusterNode:
-        """The node serving `slot` now, as the first live node answers."""
+    def slot_map(self) -> list[tuple[int, int, int]]:
+        """(first slot, last slot, master port) of every range, as the first live node sees it."""
         with self.live_nodes()[0].client() as client:
-            for first, last, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
-                if first <= slot <= last:
-                    return self.node(int(master[1]))
+            return [(first, last, int(master[1])) for first, last, master, *_ in
+                    client.execute_command("CLUSTER", "SLOTS")]
+
+    def master_of_slot(self, slot: int,
+                       slots: list[tuple[int, int, int]] | None = None) -> ClusterNode:
+        """The node serving `slot` now (in `slots`, a `slot_map()` read before)."""
+        for first, last, port in self.slot_map() if slots is None else slots:
+            if first <= slot <= last:
+                return self.node(port)
         raise RuntimeError(f"slot {slot} is not served")
 
     def roles(self) -> dict[int, int | None]:

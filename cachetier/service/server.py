@@ -49,8 +49,8 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           UnknownEntity, UnknownPool)
 from index.execution import ReplicaAcks
-from index.placement import ShardPlacement
 from index.lifecycle import RequestLifecycle
+from index.placement import ShardPlacement
 from index.prefix import PinnedPrefix
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
 from index.redis_link import RedisClient, RedisTarget, WriteNotAcknowledged, is_transient
