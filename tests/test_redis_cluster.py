@@ -23,6 +23,7 @@ from redis.exceptions import (ClusterDownError, ClusterError, MasterDownError, R
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from cachetier.cli import build_parser
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
 from cachetier.run.redis_cluster import ClusterShape, LocalRedisCluster
@@ -323,3 +324,60 @@ async def test_a_failover_to_frozen_replicas_loses_only_writes_no_caller_acted_o
     assert tickets.retryable.get(ErrorCode.REDIS_UNAVAILABLE)
     assert tickets.reused() == []
     await assert_clean(cluster, pool)
+
+
+@pytest.mark.parametrize("text, shape", [("3x2", ClusterShape(3, 2)), ("3", ClusterShape(3, 1)),
+                                         ("6x0", ClusterShape(6, 0))])
+def test_cluster_shapes_parse(text, shape):
+    assert ClusterShape.parse(text) == shape and shape.nodes == shape.masters * (1 + shape.replicas)
+
+
+@pytest.mark.parametrize("text", ["2x1", "3x", "x2", "3x-1", ""])
+def test_bad_cluster_shapes_are_refused(text):
+    with pytest.raises(ValueError):
+        ClusterShape.parse(text)
+
+
+def test_cluster_nodes_parse_and_bad_ones_are_refused():
+    target = RedisTarget.cluster("10.0.0.1:7000, :7001")
+    assert target.cluster_nodes == (("10.0.0.1", 7000), ("127.0.0.1", 7001)) and target.is_cluster
+    for bad in ("", "host", "host:0", "host:x", "host:70000"):
+        with pytest.raises(ValueError):
+            RedisTarget.cluster(bad)
+    with pytest.raises(ValueError):
+        RedisTarget(url="redis://r", cluster_nodes=(("h", 1),))
+
+
+def test_serve_takes_a_server_or_a_cluster_not_both():
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--redis-cluster", "h:1,h:2"]).redis_cluster == "h:1,h:2"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--redis", "redis://r", "--redis-cluster", "h:1"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve"])
+
+
+@pytest.mark.parametrize("cluster, acks, expected", [
+    ("", None, None), ("h:1", None, ReplicaAcks(1, 100)), ("", 1, ReplicaAcks(1, 100)),
+    ("h:1", 0, None), ("h:1", 2, ReplicaAcks(2, 100))])
+def test_writes_are_acknowledged_by_default_on_a_cluster_only(cluster, acks, expected):
+    settings = ServiceSettings("redis://r" if not cluster else "", "t", TINY,
+                               redis_cluster=cluster, redis_acks=acks)
+    assert settings.replica_acks() == expected
+
+
+async def test_a_plan_no_replica_acknowledged_is_released_and_raised(redis):
+    """On one server with no replica, WAIT 1 counts none: the plan ran, so the lifecycle releases
+    its requests before raising (nobody will copy into its pages), and the pool holds none."""
+    plain = PrefixIndex(redis, "p", TINY)
+    await plain.create()
+    acked = PrefixIndex(redis, "p", TINY, acks=ReplicaAcks(1, 10))
+    acked.epoch = plain.epoch
+    with pytest.raises(WriteNotAcknowledged):
+        async with RequestLifecycle(acked) as steps:
+            await steps.plan([new_request("a", DOC[:100], 100, BLOCK)])
+    assert (await plain.stats()).requests == 0
+    await assert_no_pins(redis)
+    with pytest.raises(WriteNotAcknowledged):  # the bump ran, and says no replica holds it
+        await acked.invalidate()
+    assert await plain.current_epoch() == plain.epoch + 1
