@@ -40,9 +40,22 @@ class CorruptState(CacheIndexError, RuntimeError):
     pass
 
 
+class StorageRollback(CacheIndexError, RuntimeError):
+    """The pool is behind what this caller has seen of it (`index.identity`): its storage went
+    back in time. Retryable: its pool starts over in a fresh epoch (`PrefixIndex.reconcile`)."""
+
+    retryable = True
+    pool = ""  # the pool's id, set by the `PrefixIndex` that found it
+
+
+class StorageLost(StorageRollback):
+    """A pool this caller has seen is gone from its storage (restarted empty, data lost)."""
+
+
 _BY_CODE: dict[str, type[CacheIndexError]] = {
     "CT_BADINPUT": BadRequest, "CT_CONFLICT": PoolConflict, "CT_NOPOOL": UnknownPool,
     "CT_UNKNOWN": UnknownEntity, "CT_STALE": StaleEpoch, "CT_CORRUPT": CorruptState,
+    "CT_ROLLBACK": StorageRollback,
 }
 
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 
 from cachetier.config import Config
 from eviction.policy import CLASSES, COMMIT_KINDS, Entry, EvictionWeights, lru
-from index.errors import BadRequest, CorruptState, StaleEpoch, UnknownEntity, UnknownPool
+from index.errors import (BadRequest, CorruptState, StaleEpoch, StorageRollback, UnknownEntity,
+                          UnknownPool)
 from index.hashing import hash_len
 from index.prefix import PrefixProbe
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
@@ -116,8 +117,11 @@ class ReferenceIndex:
     # -- shared helpers (lib.lua) -------------------------------------------------------------
     def _check_epoch(self) -> None:
         """The epoch this face carries must be the pool's; on a voided one the face learns the
-        current epoch and raises, as PrefixIndex does."""
+        current epoch and raises, as PrefixIndex does. A pool behind the face went back in time
+        (lib.lua `check_view`): the face keeps its epoch, so nobody adopts the older one."""
         current = self.s.epoch
+        if self.epoch > current:
+            raise StorageRollback(f"pool is at epoch {current}, caller saw epoch {self.epoch}")
         if self.epoch != current:
             seen, self.epoch = self.epoch, current
             raise StaleEpoch(f"pool epoch is {current}, caller has {seen}")

@@ -27,7 +27,7 @@ from index.execution import LoadedScript, ReplicaAcks, run_script
 from index.redis_link import RedisClient
 
 SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evict",
-                "invalidate_pool", "probe", "pin_prefix", "reweigh", "stats")
+                "invalidate_pool", "probe", "pin_prefix", "reweigh", "stats", "reconcile_pool")
 USES_MATCH = frozenset({"plan_step", "probe", "pin_prefix"})  # look a prompt up
 # what a caller acts on (copies into planned pages, tickets, pins, epochs): lost, it would be out
 # of step with the index; a lost confirm, release or eviction only leaves the cache smaller

@@ -29,7 +29,8 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
     pipe.hgetall(rf_k).hgetall(path_k).zrange(lease_k, 0, -1, withscores=True)
     meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path, lease = await pipe.execute()
     clock = float(meta.get(b"clock", 0))
-    meta = {k.decode(): int(float(v)) for k, v in meta.items() if not k.startswith(b"w_")}
+    meta = {k.decode(): int(float(v)) for k, v in meta.items()
+            if not k.startswith(b"w_") and k != b"holder"}  # weights, the storage's name
     return PoolState(
         epoch=meta["epoch"], fresh=meta["fresh"], tick=meta["tick"], ticket=meta["ticket"],
         clock=clock,

@@ -1,8 +1,10 @@
 """The async face of the index: one script call (one round trip) per operation, whatever the batch.
 
 `PrefixIndex` turns records into script arguments and replies back into records. It holds no
-metadata of its own beyond the epoch it last saw, which it passes to every call so that a caller
-holding pins from before an invalidation is told so (`StaleEpoch`) instead of touching new pages.
+metadata of its own beyond its view of the pool (`index.identity.PoolView`: the epoch, write
+count and ticket it last saw), which it passes to every call so that a caller holding pins from
+before an invalidation is told so (`StaleEpoch`) instead of touching new pages, and a pool whose
+storage went back in time is told apart from one that moved on (`StorageRollback`).
 
 With `lease_s`, every request it plans (and every reader it pins) holds a lease of that many
 seconds, renewed by each of its steps; `reap` releases those whose lease ran out (a scheduler
@@ -23,9 +25,10 @@ from redis.asyncio import Redis
 
 from cachetier.config import Config
 from eviction.policy import EvictionWeights, lru
-from index.errors import BadRequest, StaleEpoch
+from index.errors import BadRequest, StaleEpoch, StorageLost, StorageRollback, UnknownPool
 from index.execution import ReplicaAcks
 from index.hashing import hash_len
+from index.identity import PoolView
 from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
                            PageCopy, ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal,
@@ -67,16 +70,38 @@ class PrefixIndex:
         self.weights = weights or lru()
         self.keys = pool_keys(pool_id, tag)
         self.epoch = 0
+        self.writes = 0  # the highest meta.wc a reply carried
+        self.ticket = 0  # the highest ticket a reply carried
         self.lease_s = lease_s
         self.clock = clock
         self._scripts = Scripts(redis, acks=acks)  # acks: writes wait for replicas (a cluster)
         self._hash_len = hash_len(config.cache.hash_algo)
 
     async def create(self) -> int:
-        """Create the pool (or join an existing one of the same geometry); returns its epoch."""
+        """Create the pool (or join an existing one of the same geometry); returns its epoch.
+        The view keeps what it saw before: a pool created again after its data was lost is
+        behind it until `reconcile` starts it over."""
         args = _pairs(pool_fields(self.config, self.weights))
-        self.epoch = int(await self._scripts.call("create_pool", self.keys, args))
-        return self.epoch
+        epoch = int(await self._scripts.call("create_pool", self.keys, args))
+        self.epoch = max(self.epoch, epoch)
+        return epoch
+
+    @property
+    def view(self) -> PoolView:
+        return PoolView(self.epoch, self.writes, self.ticket)
+
+    async def reconcile(self, seen: PoolView, holder: str, fresh_epoch: int) -> str:
+        """`reconcile_pool.lua`: a pool behind `seen` (what this caller and its agents saw), or
+        held by another storage instance than the last one vouched for while `seen` has no write
+        to vouch with, starts over in `fresh_epoch` (or its own epoch + 1); otherwise `holder`
+        is stamped as the pool's. Returns why it started over ("" if it did not); either way
+        this view is the pool's afterwards."""
+        args = [seen.epoch, seen.writes, seen.ticket, fresh_epoch, holder]
+        raw = await self._script("reconcile_pool", args)
+        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        self.epoch, self.writes = reply["epoch"], reply["wc"]
+        self.ticket = max(self.ticket, reply["ticket"])
+        return reply["why"].decode()
 
     async def reweigh(self, weights: EvictionWeights, batch: int = 4096) -> int:
         """Switch the pool to new eviction weights and rescore its eviction order, `batch` page
@@ -150,7 +175,7 @@ class PrefixIndex:
     async def invalidate(self, seen_epoch: int | None = None) -> int:
         """Start a new epoch; with `seen_epoch`, only if the pool is still in that epoch."""
         arg = "" if seen_epoch is None else str(seen_epoch)
-        self.epoch = int(await self._scripts.call("invalidate_pool", self.keys, [arg]))
+        self.epoch = int(await self._script("invalidate_pool", [arg, self.view.argument]))
         return self.epoch
 
     async def current_epoch(self) -> int:
@@ -164,16 +189,18 @@ class PrefixIndex:
     async def probe(self, prompt_tokens: int, hashes: bytes) -> PrefixProbe:
         """Read-only: what the pool could serve of the prompt now (no pin, no recency), for a
         router choosing among pools."""
-        raw = await self._scripts.call("probe", self.keys, [prompt_tokens, bytes(hashes)])
-        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        raw = await self._script("probe", [prompt_tokens, bytes(hashes)])
+        reply = self._checked(_decode_keys(msgpack.unpackb(raw, raw=True)))
         block = self.config.cache.hash_block_tokens
         return PrefixProbe(self.pool_id, reply["epoch"], reply["hit"] * block, reply["mla"] * block)
 
     async def stats(self) -> IndexStats:
         """The pool's counters now, from one O(1) script; read-only and in whatever epoch the
         pool is (it does not refresh `epoch`: a caller's pins are told stale by its next call)."""
-        raw = await self._scripts.call("stats", self.keys, [])
-        return IndexStats(**_decode_keys(msgpack.unpackb(raw, raw=True)))
+        raw = await self._script("stats", [])
+        reply = self._checked(_decode_keys(msgpack.unpackb(raw, raw=True)))
+        del reply["wc"]
+        return IndexStats(**reply)
 
     async def pin_prefix(self, reader: str, prompt_tokens: int, hashes: bytes) -> PinnedPrefix:
         """Pin the prompt's longest usable prefix under `reader`, for another pool to copy;
@@ -188,11 +215,43 @@ class PrefixIndex:
 
     async def _call(self, name: str, args: list[Any], decode: bool = True) -> Any:
         try:
-            raw = await self._scripts.call(name, self.keys, [self.epoch, *args])
+            raw = await self._script(name, [self.view.argument, *args])
         except StaleEpoch:
-            self.epoch = await self.current_epoch()
+            current = await self.current_epoch()
+            if current < self.epoch:  # went back between the call and this read
+                raise self._rolled_back(StorageRollback(f"pool epoch went back to {current}"))
+            self.epoch = current
             raise
-        return _decode_keys(msgpack.unpackb(raw, raw=True)) if decode else raw
+        if not decode:
+            return raw
+        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        self.writes = max(self.writes, reply["wc"])
+        if isinstance(reply.get("ticket"), int):
+            self.ticket = max(self.ticket, reply["ticket"])
+        return reply
+
+    async def _script(self, name: str, args: list[Any]) -> Any:
+        """One script call; a pool this view has seen that is gone is `StorageLost`."""
+        try:
+            return await self._scripts.call(name, self.keys, args)
+        except UnknownPool as exc:
+            if self.view == PoolView():
+                raise
+            raise self._rolled_back(StorageLost(f"pool {self.pool_id} was lost: {exc}")) from None
+        except StorageRollback as exc:
+            raise self._rolled_back(exc) from None
+
+    def _checked(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """A read-only reply (any epoch) from a pool behind this view is a rollback too."""
+        if reply["epoch"] < self.epoch or reply["wc"] < self.writes:
+            raise self._rolled_back(StorageRollback(
+                f"pool is at epoch {reply['epoch']} write {reply['wc']}, this caller saw epoch "
+                f"{self.epoch} write {self.writes}"))
+        return reply
+
+    def _rolled_back(self, exc: StorageRollback) -> StorageRollback:
+        exc.pool = self.pool_id
+        return exc
 
     def _encode_batch(self, requests: Sequence[StepRequest]) -> list[dict[str, Any]]:
         """New requests name their hash blob by position among the extra script arguments."""

@@ -10,7 +10,8 @@ import msgpack
 import pytest
 
 from eviction.policy import EvictionWeights, lru
-from index.errors import BadRequest, PoolConflict, StaleEpoch, UnknownEntity, UnknownPool
+from index.errors import (BadRequest, PoolConflict, StorageRollback, UnknownEntity,
+                          UnknownPool)
 from index.hashing import chain_hashes
 from index.records import StepRequest
 from index.store import PrefixIndex
@@ -126,10 +127,10 @@ async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
             await raw(warm, "release", packed(["mid"]), *reaper)
     with pytest.raises(BadRequest):
         await raw(warm, "pin_prefix", "reader", 40, chain_hashes(list(range(40)), ROOT, 4), "x")
-    stale = PrefixIndex(redis, "p", CONFIG)
-    stale.epoch = warm.index.epoch + 7
-    with pytest.raises(StaleEpoch):
-        await stale.release(["mid"])
+    ahead = PrefixIndex(redis, "p", CONFIG)  # a caller that saw later epochs: a rollback
+    ahead.epoch = warm.index.epoch + 7
+    with pytest.raises(StorageRollback):
+        await ahead.release(["mid"])
     with pytest.raises(UnknownPool):
         await PrefixIndex(redis, "never-created", CONFIG).release(["mid"])
     with pytest.raises(PoolConflict):

@@ -2,6 +2,8 @@
 --
 -- KEYS   - the pool's keys, see lib.lua
 -- ARGV[1] - epoch the caller saw, or "" to invalidate whatever epoch is current
+-- ARGV[2] - optional: the caller's view (lib.lua check_view); a pool behind it is CT_ROLLBACK,
+--           since bumping an epoch that went back would issue an epoch again
 -- returns the new epoch
 --
 -- O(1) in the main thread: every per-epoch structure lives in a fixed set of keys that UNLINK
@@ -10,6 +12,7 @@
 -- gone returns the current one without bumping it twice.
 
 local m = load_meta(nil)
+if ARGV[2] ~= nil then check_view(m, ARGV[2]) end
 if ARGV[1] ~= "" then
   local seen = tonumber(ARGV[1])
   if seen == nil then fail("BADINPUT", "epoch must be an integer or empty") end
@@ -17,5 +20,6 @@ if ARGV[1] ~= "" then
 end
 redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH,
            K_LEASE)
-redis.call("HSET", K_META, "epoch", m.epoch + 1, "fresh", 0, "lru_pages", 0, "durable_cks", 0)
+redis.call("HSET", K_META, "epoch", m.epoch + 1, "fresh", 0, "lru_pages", 0, "durable_cks", 0,
+           "wc", m.wc + 1)
 return m.epoch + 1

@@ -101,6 +101,9 @@
 --   clock            the GreedyDual clock: evicting an entry raises it to the entry's lc plus
 --                    its value term, when that is higher
 --   durable_cks      registered checkpoints with dur = 1
+--   wc               write calls so far, never going back (save_meta; reconcile_pool jumps it):
+--                    a pool behind a caller's view of it lost writes (index.identity)
+--   holder           the storage instance that last vouched for the pool (reconcile_pool)
 --   w_*              the eviction weights: WEIGHT_FIELDS (EvictionWeights.as_pool_fields)
 
 local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE =
@@ -140,14 +143,34 @@ local function class_weights(m)
   end
 end
 
-local function load_meta(expected_epoch)
+-- The write count of the meta this call loaded (then saved), returned with every reply.
+local META_WC = 0
+
+-- A caller's view of the pool (ARGV[1] of every call that names an epoch): "epoch" or
+-- "epoch:writes", the epoch it works in and the highest meta.wc it has been answered with. A
+-- pool behind the view lost writes the caller saw (restarted from an older snapshot or backup,
+-- failed over to a lagging replica): CT_ROLLBACK, never CT_STALE, so that nobody adopts the
+-- older epoch (index.identity says what the caller does then).
+local function check_view(m, view)
+  local epoch, writes = string.match(view, "^(%d+):(%d+)$")
+  epoch, writes = tonumber(epoch or view), tonumber(writes or 0)
+  if epoch == nil then fail("BADINPUT", "epoch must be an integer") end
+  if m.epoch < epoch or m.wc < writes then
+    fail("ROLLBACK", "pool is at epoch " .. m.epoch .. " write " .. m.wc .. ", caller saw epoch "
+         .. epoch .. " write " .. writes)
+  end
+  return epoch
+end
+
+local function load_meta(view)
   local raw = redis.call("HGETALL", K_META)
   if #raw == 0 then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
   local m = {}
   for i = 1, #raw, 2 do m[raw[i]] = tonumber(raw[i + 1]) end
-  if expected_epoch ~= nil then
-    local want = tonumber(expected_epoch)
-    if want == nil then fail("BADINPUT", "epoch must be an integer") end
+  m.wc = m.wc or 0  -- a pool stored before the write count: none counted yet
+  META_WC = m.wc
+  if view ~= nil then
+    local want = check_view(m, view)
     if want ~= m.epoch then fail("STALE", "pool epoch is " .. m.epoch .. ", caller has " .. want) end
   end
   class_weights(m)
@@ -381,9 +404,12 @@ local function evict_one(m, removed)
   return true
 end
 
+-- Every write call saves the meta once, and counts itself in meta.wc (index.identity).
 local function save_meta(m)
+  m.wc = m.wc + 1
+  META_WC = m.wc
   redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket,
-             "lru_pages", m.lru_pages, "clock", m.clock, "durable_cks", m.durable_cks)
+             "lru_pages", m.lru_pages, "clock", m.clock, "durable_cks", m.durable_cks, "wc", m.wc)
 end
 
 local function pin(m, id)
@@ -431,7 +457,9 @@ local function lease(rid, deadline)
   if deadline ~= nil then redis.call("ZADD", K_LEASE, deadline, rid) end
 end
 
+-- Every reply carries the pool's write count (`wc`): callers keep the highest as their view.
 local function reply(result)
   flush_recs()
+  result.wc = META_WC
   return cmsgpack.pack(result)
 end
