@@ -33,6 +33,7 @@ class ErrorCode(enum.StrEnum):
     COPY_TIMEOUT = "copy_timeout"
     TRANSFER_FAILED = "transfer_failed"  # a page transfer between agents ended before its last byte
     REDIS_UNAVAILABLE = "redis_unavailable"
+    RECOVERING = "recovering"  # the pool's storage went back in time or lost it: starting over
     CONNECTION_LOST = "connection_lost"
     TIMEOUT = "timeout"
     INTERNAL = "internal"
@@ -120,6 +121,14 @@ class RequestTimeout(CacheTierError, TimeoutError):
 
 class AgentUnavailable(CacheTierError):
     code = ErrorCode.AGENT_UNAVAILABLE
+    retryable = True
+
+
+class PoolRecovering(CacheTierError):
+    """The pool's storage went back in time or lost it: the service is starting it over in a
+    fresh epoch; the same call succeeds once it has (`cachetier.service.recovery`)."""
+
+    code = ErrorCode.RECOVERING
     retryable = True
 
 

@@ -12,7 +12,9 @@ with backoff. Copy batches run one at a time. A connection is given up only once
 accepted have finished (`serve_requests` waits for them), so a service that dropped this agent
 over a slow batch is served again only when that batch can no longer land on pages the service
 has handed out since. Its first registration carries no epoch: its bytes are new, so the service
-starts a new epoch for the pool.
+starts a new epoch for the pool. Later ones carry the highest epoch and pool write count it was
+told, kept outside Redis, so a service finding the pool behind them starts it over
+(`index.identity`).
 
 Every order carries the epoch it was planned in, and the agent fences the data path
 (`gpu_pool.fence`): told to by a `Fence` (or by an order of a newer epoch), it refuses orders
@@ -85,6 +87,7 @@ class Agent:
         self.identity = AgentIdentity(settings.pool, settings.rank, settings.agent_id)
         self.pool: PagedPool | None = None
         self.epoch: int | None = None
+        self.writes = 0  # the highest pool write count a registration or copy batch carried
         self.registered = asyncio.Event()
         self._copying = asyncio.Lock()
         self.fence = OrderFence()
@@ -147,10 +150,11 @@ class Agent:
         s = self.settings
         await exchange(stream, 0, Hello(PROTOCOL_VERSION, s.token, "agent"))
         register = Register(s.pool, s.rank, s.tp_degree, self.identity.agent_id, self.epoch,
-                            self._pages.url)
+                            self._pages.url, self.writes)
         registered: Registered = await exchange(stream, 1, register)
         self._adopt(registered.model, registered.cache)
         self.epoch = registered.epoch
+        self.writes = max(self.writes, registered.writes)
         self.registered.set()
         self.observer.registered(self.identity, url, registered.epoch)
         logger.info("pool %s rank %d registered with %s, epoch %d", s.pool, s.rank, url,
@@ -198,6 +202,7 @@ class Agent:
         async with self.fence.order(batch.epoch), self._copying:  # one batch at a time
             await _to_the_end(asyncio.to_thread(self._run_copies, batch))
         self.epoch = batch.epoch
+        self.writes = max(self.writes, batch.writes)
 
     def _run_copies(self, batch: CopyBatch) -> None:
         """One launch for the whole batch, finished on the device before the ack."""

@@ -14,6 +14,8 @@ answers a retryable error. An agent whose connection drops, times out or is repo
 starts a new epoch: nothing cached before can be matched against bytes that may be gone.
 Requests hold leases (`request_lease_s`), renewed by each step; the reaper (`reaper`) releases
 those of schedulers that disappeared between plan and release.
+Storage that went back in time or lost the pool is detected on the next call and the pool
+started over in a fresh epoch (`recovery`), the callers meanwhile told to retry.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from redis.exceptions import RedisError
 
 from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
-                              ErrorInfo, HandshakeRequired, Unauthorized, VersionMismatch,
-                              error_info)
+                              ErrorInfo, HandshakeRequired, PoolRecovering, Unauthorized,
+                              VersionMismatch, error_info)
 from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
+from cachetier.service.recovery import PoolRecovery
 from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
@@ -47,8 +50,9 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
                                      Route, RouteReply, Stats, Welcome, ok_frame, op_table,
                                      parse_request, request_id)
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
-                          UnknownEntity, UnknownPool)
+                          StorageLost, StorageRollback, UnknownEntity, UnknownPool)
 from index.execution import ReplicaAcks
+from index.identity import PoolView
 from index.lifecycle import RequestLifecycle
 from index.placement import ShardPlacement
 from index.prefix import PinnedPrefix
@@ -65,6 +69,7 @@ _INDEX_CODES: dict[type[CacheIndexError], ErrorCode] = {
     BadRequest: ErrorCode.BAD_REQUEST, PoolConflict: ErrorCode.CONFLICT,
     UnknownPool: ErrorCode.UNKNOWN_POOL, UnknownEntity: ErrorCode.UNKNOWN,
     StaleEpoch: ErrorCode.STALE_EPOCH, CorruptState: ErrorCode.CORRUPT,
+    StorageRollback: ErrorCode.RECOVERING, StorageLost: ErrorCode.RECOVERING,
 }
 
 
@@ -110,6 +115,7 @@ class _Pool:
     index: PrefixIndex
     agents: PoolAgents
     config: Config
+    recovery: PoolRecovery
     plans: PlanCoalescer | None = None  # None: `batch_tick_s` is 0
     releases: ReleaseCoalescer | None = None
 
@@ -193,6 +199,7 @@ class CacheTierService:
             task.cancel()
         await asyncio.gather(*self._connections, *self._losses, return_exceptions=True)
         for state in self._pools.values():
+            await state.recovery.close()
             for coalescer in (state.plans, state.releases):
                 if coalescer is not None:
                     await coalescer.close()
@@ -280,7 +287,26 @@ class CacheTierService:
         return hello
 
     async def _dispatch(self, message: Any) -> Any:
-        return await self._handlers[type(message)](message)
+        try:
+            return await self._handlers[type(message)](message)
+        except Exception as exc:
+            self._storage_failed(exc)
+            raise
+
+    def _storage_failed(self, exc: BaseException) -> None:
+        """A call that found a pool's storage behind this replica (anywhere in the chain of
+        causes) starts its recovery and is answered `PoolRecovering`; one that lost Redis
+        leaves every pool to be verified again before its next call."""
+        cause: BaseException | None = exc
+        seen: set[int] = set()
+        while cause is not None and id(cause) not in seen:  # a chain may loop
+            seen.add(id(cause))
+            if isinstance(cause, StorageRollback) and cause.pool in self._pools:
+                raise self._pools[cause.pool].recovery.start(cause) from exc
+            if isinstance(cause, (RedisConnectionError, RedisTimeoutError)):
+                for state in self._pools.values():
+                    state.recovery.verified = False
+            cause = cause.__cause__ or cause.__context__
 
     # agents
 
@@ -318,15 +344,19 @@ class CacheTierService:
             if msg.pool not in self._pools:
                 await self.placement.resolve(msg.pool, create=True)
             state = self._pools.get(msg.pool) or self._new_pool(msg.pool)
+            seen = state.index.view
             await state.index.create()  # a pool of another geometry is refused here
+            restarted = await state.recovery.reconcile(seen.merge(PoolView(msg.epoch or 0,
+                                                                           msg.writes)))
             self._pools[msg.pool] = state
             previous = state.agents.links.get(msg.rank)
             if previous is not None:
                 await self._lose(state, previous, "replaced by a new registration")
-            elif msg.epoch is None:  # new, zeroed bytes: what the pool says it holds is gone
+            elif msg.epoch is None and not restarted:  # new bytes: what the pool holds is gone
                 await self._invalidate(state, AgentLost(f"pool {msg.pool}: rank {msg.rank} "
                                                         "restarted", [msg.rank]))
-        return state, Registered(state.index.epoch, state.config.model, state.config.cache)
+        return state, Registered(state.index.epoch, state.config.model, state.config.cache,
+                                 state.index.writes)
 
     async def _lose_failed(self, state: _Pool, links: list[AgentLink],
                            cause: BaseException) -> None:
@@ -356,7 +386,11 @@ class CacheTierService:
 
     async def _invalidate(self, state: _Pool, failure: CacheTierError) -> None:
         state.agents.fail_steps(failure)
-        epoch = await _acknowledged(state.index.invalidate)
+        try:
+            epoch = await _acknowledged(state.index.invalidate)
+        except StorageRollback as exc:  # the recovery starts it over in a fresh epoch instead
+            state.recovery.start(exc)
+            return
         self.observer.invalidated(state.agents.pool, epoch)
 
     def _new_pool(self, pool: str) -> _Pool:
@@ -364,7 +398,8 @@ class CacheTierService:
         index = PrefixIndex(self.redis, pool, config, acks=self.settings.replica_acks(),
                             tag=self.placement.cached(pool),
                             lease_s=self.settings.request_lease_s)
-        state = _Pool(index, PoolAgents(pool, config.model.tp_degree), config)
+        agents = PoolAgents(pool, config.model.tp_degree)
+        state = _Pool(index, agents, config, PoolRecovery(index, agents, self.observer))
         if self.settings.batch_tick_s > 0:
             tick, most = self.settings.batch_tick_s, config.cache.max_batch
             state.plans = PlanCoalescer(functools.partial(self._plan_now, state), index.release,
@@ -373,17 +408,19 @@ class CacheTierService:
         return state
 
     async def _known_pool(self, pool: str) -> _Pool:
-        """The pool's state here; a pool that does not exist in Redis is not remembered, so
-        requests naming random pools cost no memory."""
-        if pool in self._pools:
-            return self._pools[pool]
-        if await self.placement.resolve(pool, create=False) is None:
-            raise UnknownPool(f"unknown pool {pool!r}: no agent has registered it")
-        state = self._new_pool(pool)
-        state.index.epoch = await state.index.current_epoch()
-        if state.index.epoch == 0:
-            raise UnknownPool(f"unknown pool {pool!r}: no agent has registered it")
-        return self._pools.setdefault(pool, state)
+        """The pool's state here, its storage verified (`recovery`); a pool that does not exist
+        in Redis is not remembered, so requests naming random pools cost no memory."""
+        if pool not in self._pools:
+            if await self.placement.resolve(pool, create=False) is None:
+                raise UnknownPool(f"unknown pool {pool!r}: no agent has registered it")
+            state = self._new_pool(pool)
+            state.index.epoch = await state.index.current_epoch()
+            if state.index.epoch == 0:
+                raise UnknownPool(f"unknown pool {pool!r}: no agent has registered it")
+            self._pools.setdefault(pool, state)
+        state = self._pools[pool]
+        await state.recovery.ready()
+        return state
 
     # client operations
 
@@ -423,7 +460,8 @@ class CacheTierService:
             await fence_links(links, plan.epoch, self.settings.copy_timeout_s)
             rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
             if rows:
-                await run_copies(links, CopyBatch(plan.epoch, rows), self.settings.copy_timeout_s)
+                batch = CopyBatch(plan.epoch, rows, state.index.writes)
+                await run_copies(links, batch, self.settings.copy_timeout_s)
             await state.index.confirm(plan.ticket)
             guard.check()
         except BaseException as exc:
@@ -496,7 +534,9 @@ class CacheTierService:
         except (RedisError, TimeoutError):
             redis_ok = False
         pools = {name: sorted(s.agents.links) for name, s in self._pools.items() if s.agents.links}
-        return HealthReport(self.settings.server_id, PROTOCOL_VERSION, redis_ok, pools)
+        recovering = sorted(name for name, s in self._pools.items() if s.recovery.recovering)
+        return HealthReport(self.settings.server_id, PROTOCOL_VERSION, redis_ok, pools,
+                            recovering)
 
 
 async def _retry_if_stale(call: Callable[[], Awaitable[T]]) -> T:

@@ -66,6 +66,7 @@ class Registered:
     epoch: int
     model: ModelSpec
     cache: CacheSpec
+    writes: int = 0  # the pool's write count (`index.identity`), for the agent's view
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Register:
     agent_id: str
     epoch: int | None = None
     data_url: str = ""  # where the agent serves its pages to peers (`gpu_pool.transfer`)
+    writes: int = 0  # the highest write count of the pool the agent was told (`index.identity`)
 
     @property
     def identity(self) -> AgentIdentity:
@@ -96,6 +98,7 @@ class CopyBatch:
     reply: ClassVar[Any] = None
     epoch: int
     copies: list[tuple[int, int, int, int]]
+    writes: int = 0  # the pool's write count when the step was planned (`index.identity`)
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ class HealthReport:
     version: int
     redis: bool
     pools: dict[str, list[int]] = field(default_factory=dict)
+    recovering: list[str] = field(default_factory=list)  # pools being started over (storage)
 
 
 @dataclass(frozen=True)
