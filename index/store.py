@@ -99,7 +99,8 @@ class PrefixIndex:
         args = [seen.epoch, seen.writes, seen.ticket, fresh_epoch, holder]
         raw = await self._script("reconcile_pool", args)
         reply = _decode_keys(msgpack.unpackb(raw, raw=True))
-        self.epoch, self.writes = reply["epoch"], reply["wc"]
+        self.epoch = max(self.epoch, reply["epoch"])  # replies of calls in flight may be later
+        self.writes = max(self.writes, reply["wc"])
         self.ticket = max(self.ticket, reply["ticket"])
         return reply["why"].decode()
 
@@ -189,16 +190,18 @@ class PrefixIndex:
     async def probe(self, prompt_tokens: int, hashes: bytes) -> PrefixProbe:
         """Read-only: what the pool could serve of the prompt now (no pin, no recency), for a
         router choosing among pools."""
+        view = self.view
         raw = await self._script("probe", [prompt_tokens, bytes(hashes)])
-        reply = self._checked(_decode_keys(msgpack.unpackb(raw, raw=True)))
+        reply = self._checked(view, _decode_keys(msgpack.unpackb(raw, raw=True)))
         block = self.config.cache.hash_block_tokens
         return PrefixProbe(self.pool_id, reply["epoch"], reply["hit"] * block, reply["mla"] * block)
 
     async def stats(self) -> IndexStats:
         """The pool's counters now, from one O(1) script; read-only and in whatever epoch the
         pool is (it does not refresh `epoch`: a caller's pins are told stale by its next call)."""
+        view = self.view
         raw = await self._script("stats", [])
-        reply = self._checked(_decode_keys(msgpack.unpackb(raw, raw=True)))
+        reply = self._checked(view, _decode_keys(msgpack.unpackb(raw, raw=True)))
         del reply["wc"]
         return IndexStats(**reply)
 
@@ -214,13 +217,14 @@ class PrefixIndex:
                             table if reply["hit"] else [], list(_list(reply["ckpt"])))
 
     async def _call(self, name: str, args: list[Any], decode: bool = True) -> Any:
+        view = self.view
         try:
-            raw = await self._script(name, [self.view.argument, *args])
+            raw = await self._script(name, [view.argument, *args])
         except StaleEpoch:
             current = await self.current_epoch()
-            if current < self.epoch:  # went back between the call and this read
+            if current < view.epoch:  # went back between the call and this read
                 raise self._rolled_back(StorageRollback(f"pool epoch went back to {current}"))
-            self.epoch = current
+            self.epoch = max(self.epoch, current)  # a concurrent reply may have seen later
             raise
         if not decode:
             return raw
@@ -241,12 +245,13 @@ class PrefixIndex:
         except StorageRollback as exc:
             raise self._rolled_back(exc) from None
 
-    def _checked(self, reply: dict[str, Any]) -> dict[str, Any]:
-        """A read-only reply (any epoch) from a pool behind this view is a rollback too."""
-        if reply["epoch"] < self.epoch or reply["wc"] < self.writes:
+    def _checked(self, view: PoolView, reply: dict[str, Any]) -> dict[str, Any]:
+        """A read-only reply (any epoch) from a pool behind the view the call was sent with is
+        a rollback too (not the view now: replies of calls sent later may have raised it)."""
+        if reply["epoch"] < view.epoch or reply["wc"] < view.writes:
             raise self._rolled_back(StorageRollback(
                 f"pool is at epoch {reply['epoch']} write {reply['wc']}, this caller saw epoch "
-                f"{self.epoch} write {self.writes}"))
+                f"{view.epoch} write {view.writes}"))
         return reply
 
     def _rolled_back(self, exc: StorageRollback) -> StorageRollback:
