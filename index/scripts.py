@@ -31,7 +31,8 @@ SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evi
 USES_MATCH = frozenset({"plan_step", "probe", "pin_prefix"})  # look a prompt up
 # what a caller acts on (copies into planned pages, tickets, pins, epochs): lost, it would be out
 # of step with the index; a lost confirm, release or eviction only leaves the cache smaller
-ACKED = frozenset({"create_pool", "plan_step", "commit", "pin_prefix", "invalidate_pool"})
+ACKED = frozenset({"create_pool", "plan_step", "commit", "pin_prefix", "invalidate_pool",
+                   "reconcile_pool"})
 
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")  # safe as a Lua string and a meta field, unescaped
