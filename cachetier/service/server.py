@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
-                              ErrorInfo, HandshakeRequired, PoolRecovering, Unauthorized,
+                              ErrorInfo, HandshakeRequired, Unauthorized,
                               VersionMismatch, error_info)
 from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
@@ -303,7 +303,7 @@ class CacheTierService:
             seen.add(id(cause))
             if isinstance(cause, StorageRollback) and cause.pool in self._pools:
                 raise self._pools[cause.pool].recovery.start(cause) from exc
-            if isinstance(cause, (RedisConnectionError, RedisTimeoutError)):
+            if is_transient(cause):  # a server down or failing over: it may come back older
                 for state in self._pools.values():
                     state.recovery.verified = False
             cause = cause.__cause__ or cause.__context__
