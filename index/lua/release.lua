@@ -36,6 +36,10 @@ if ARGV[3] ~= nil then
   end
 end
 
+if #rids == 0 then  -- a reaper's call that found nothing expired writes nothing: no write counted
+  return reply({released = 0, unknown = {}, removed = {}, reaped = {}})
+end
+
 local function roll_back(rec, rf)
   local keep = {}
   for _, e in ipairs(rec.eps) do
