@@ -106,7 +106,15 @@ class BoundedCluster(RedisCluster):
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.bounded():
-            return await super().execute_command(*args, **kwargs)
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except AttributeError as exc:
+                # redis-py (8.1) races a node's connection torn down by a failover: the send
+                # finds its writer gone (`'NoneType' object has no attribute 'writelines'`,
+                # seen in `bench cluster`); the node went away, which a ConnectionError says
+                if "'NoneType' object" not in str(exc):
+                    raise
+                raise RedisConnectionError(f"connection torn down mid-call: {exc}") from exc
 
     async def refresh_topology(self) -> None:
         """Read the slot map again (after a node failed or a slot moved under a pipeline that

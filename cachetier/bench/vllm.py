@@ -169,7 +169,7 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
              local: dict[str, Any], cold: dict[str, Any], seconds: float) -> dict[str, Any]:
     requests = [r for batch in rounds for r in batch]
     ideal = oracle_hit_tokens(rounds, hash_unit)
-    fine = oracle_hit_tokens(rounds, min(hash_unit, FINE_HASH_UNIT))
+    fine = sum(oracle_hit_tokens(rounds, min(hash_unit, FINE_HASH_UNIT)).values())
     served = tiered["requests"]
     verdicts = [compare(served[r.rid], cold["requests"][r.rid]) for r in requests]
     reports = [served[r.rid]["connector"] for r in requests]
@@ -186,7 +186,7 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
         "tokens": sum(len(r.prompt) for r in requests),
         "hit_tokens_local": hit_local, "hit_tokens_cachetier": hit_cachetier,
         "oracle_hit_tokens": oracle,
-        "oracle_hit_tokens_fine": sum(fine.values()),
+        "oracle_hit_tokens_fine": fine,
         "mismatches": sum(not v.ok for v in verdicts),
         "oracle_ties": sum(v.outcome == "tie" for v in verdicts),
         "max_logprob_delta": round(max(v.max_delta for v in verdicts), 4),
@@ -199,8 +199,7 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
         "failed_loads": sum(t["cachetier_failed_loads"] for t in engine_totals),
         "failed_saves": sum(t["cachetier_failed_saves"] for t in engine_totals),
         "cachetier_vs_oracle": round(hit_cachetier / oracle, 4) if oracle else None,
-        "cachetier_vs_oracle_fine": round(hit_cachetier / sum(fine.values()), 4)
-        if oracle else None,
+        "cachetier_vs_oracle_fine": round(hit_cachetier / fine, 4) if fine else None,
         "cachetier_vs_local": round(hit_cachetier / hit_local, 3) if hit_local else None,
         # what a perfect tier would give over the local caches: the ceiling of the ratio above
         "oracle_vs_local": round(oracle / hit_local, 3) if hit_local else None,
