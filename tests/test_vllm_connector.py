@@ -86,11 +86,12 @@ def served(model_dir: Path, cluster: Cluster, info: Path,
     a = run_engine(model_dir, workdir, "a", A_STEPS, info=info)
     b = run_engine(model_dir, workdir, "b", B_STEPS, info=info,
                    engine_args={"max_num_batched_tokens": B_CHUNK})
-    reference = run_engine(model_dir, workdir, "reference", A_STEPS + B_STEPS, info=None,
+    # k-next last, salted: computed from scratch as the engine that lost its agent computes it,
+    # though this engine holds KILLED's blocks
+    fresh = [[request("k-next", KILLED_NEXT, salt="from-scratch")]]
+    reference = run_engine(model_dir, workdir, "reference", A_STEPS + B_STEPS + fresh, info=None,
                            engine_args=reference_args(cluster))
-    fresh = run_engine(model_dir, workdir, "fresh", [[request("k-next", KILLED_NEXT)]],
-                       info=None, engine_args=reference_args(cluster))
-    return {"a": a, "b": b, "reference": {**reference, **fresh}, "workdir": {"path": workdir}}
+    return {"a": a, "b": b, "reference": reference, "workdir": {"path": workdir}}
 
 
 def _report(result: dict[str, Any]) -> dict[str, int]:
@@ -179,20 +180,15 @@ def test_corrupted_pages_are_caught_by_the_oracle(served: dict[str, Any], cluste
         assert verdict.outcome == "mismatch", f"{rid}: corruption not caught ({verdict})"
 
 
-def test_engine_with_another_model_is_refused(cluster: Cluster, info: Path,
-                                              tmp_path: Path) -> None:
+def test_an_engine_unlike_the_pool_is_refused_with_every_difference_named(
+        cluster: Cluster, info: Path, tmp_path: Path) -> None:
+    """Another model and another block geometry at once (one engine start): the refusal names
+    both, so a user fixes everything in one go."""
     other = write_tiny_qwen3_next(tmp_path / "other", seed=1)
     with pytest.raises(EngineFailed) as failed:
-        run_engine(other, tmp_path, "other", [[request("x", tokens(40, 300))]], info=info)
-    assert "refuses this engine" in failed.value.log and "model:" in failed.value.log
-
-
-def test_engine_with_another_block_geometry_is_refused(cluster: Cluster, model_dir: Path,
-                                                       info: Path, tmp_path: Path) -> None:
-    with pytest.raises(EngineFailed) as failed:
-        run_engine(model_dir, tmp_path, "blocks", [[request("x", tokens(40, 300))]], info=info,
+        run_engine(other, tmp_path, "other", [[request("x", tokens(40, 300))]], info=info,
                    engine_args={"block_size": 2304})
-    assert "refuses this engine" in failed.value.log
+    assert "refuses this engine" in failed.value.log and "model:" in failed.value.log
     assert "block_size: engine 2304, pool page_tokens 1152" in failed.value.log
 
 

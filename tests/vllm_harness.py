@@ -63,8 +63,8 @@ def tokens(seed: int, count: int) -> list[int]:
     return [rng.randrange(512) for _ in range(count)]
 
 
-def request(rid: str, prompt: list[int]) -> dict[str, Any]:
-    return {"id": rid, "prompt": prompt}
+def request(rid: str, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "prompt": prompt} | ({} if salt is None else {"salt": salt})
 
 
 async def assert_no_pins(cluster: Cluster) -> None:

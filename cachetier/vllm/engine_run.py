@@ -122,12 +122,20 @@ def _serve(model: str, info: dict[str, Any] | None, extra_args: dict[str, Any],
         order = json.loads(line)
         params = SamplingParams(max_tokens=order["max_tokens"], temperature=0.0, logprobs=TOP_K)
         begin = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in order["requests"]],
-                               params, use_tqdm=False)
+        outputs = llm.generate([_prompt(r) for r in order["requests"]], params, use_tqdm=False)
         seconds = time.perf_counter() - begin
         _answer(results, {"seconds": seconds,
                           "requests": {r["id"]: _result(r, o)
                                        for r, o in zip(order["requests"], outputs)}})
+
+
+def _prompt(request: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's token prompt; a request's `salt` becomes its `cache_salt`, which keeps it apart from
+    every cached prefix computed without it (a from-scratch run inside a warm engine)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": request["prompt"]}
+    if "salt" in request:
+        prompt["cache_salt"] = request["salt"]
+    return prompt
 
 
 def _result(request: dict[str, Any], output: Any) -> dict[str, Any]:
