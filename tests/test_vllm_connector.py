@@ -49,6 +49,9 @@ S2_T2 = S2_T1 + tokens(6, 600)
 CORRUPT = {name: tokens(10 + i, 2 * PAGE + 1)
            for i, name in enumerate(("conv", "recurrent", "attention"))}
 KILLED = tokens(20, 2500)
+# a continuation of A's s2t1 whose first chunk after the tier's hit (2,304) crosses the next block
+# end (3,456): vLLM's pass then runs in a later block than the hit's next one
+S2_CROSSING = S2_T1 + tokens(7, 800)
 
 A_STEPS = [[request("s1t1", S1_T1), request("s2t1", S2_T1)], [request("s1t2", S1_T2)],
            [request(f"c-{name}", prompt) for name, prompt in CORRUPT.items()],
@@ -88,7 +91,8 @@ def served(model_dir: Path, cluster: Cluster, info: Path,
                    engine_args={"max_num_batched_tokens": B_CHUNK})
     # k-next last, salted: computed from scratch as the engine that lost its agent computes it,
     # though this engine holds KILLED's blocks
-    fresh = [[request("k-next", KILLED_NEXT, salt="from-scratch")]]
+    fresh = [[request("k-next", KILLED_NEXT, salt="from-scratch"),
+              request("s2-crossing", S2_CROSSING)]]
     reference = run_engine(model_dir, workdir, "reference", A_STEPS + B_STEPS + fresh, info=None,
                            engine_args=reference_args(cluster))
     return {"a": a, "b": b, "reference": reference, "workdir": {"path": workdir}}
@@ -154,7 +158,8 @@ def test_corrupted_pages_are_caught_by_the_oracle(served: dict[str, Any], cluste
                                                    model_dir: Path, info: Path) -> None:
     """Each of A's corruption prompts has its own checkpoint; damage one part of each (conv rows,
     recurrent rows, attention rows) and its exact resend, served from it, must fail the oracle:
-    the comparison can fail, so its passes above mean something."""
+    the comparison can fail, so its passes above mean something. An undamaged restore served by
+    the same engine must pass it: the failures are the damage's."""
     pool = PagedPool.attach(pickle.loads(cluster.handle_file(0).read_bytes()))
     layout = pool.layout
     for name, prompt in CORRUPT.items():
@@ -172,7 +177,14 @@ def test_corrupted_pages_are_caught_by_the_oracle(served: dict[str, Any], cluste
             for page in pinned.checkpoint_pages:
                 part[page] = torch.randn(part[page].shape, generator=noise).to(part.dtype) * 3
     corrupt = run_engine(model_dir, served["workdir"]["path"], "corrupt",
-                         [[request(f"c-{n}", p) for n, p in CORRUPT.items()]], info=info)
+                         [[request(f"c-{n}", p) for n, p in CORRUPT.items()],
+                          [request("s2-crossing", S2_CROSSING)]], info=info)
+    # the control, in the same engine: an undamaged restore whose first chunk crosses block ends
+    # gives the reference's outputs (it did not while only the hit's next block got the state)
+    crossing = corrupt["s2-crossing"]
+    assert _report(crossing)["cachetier_loaded_tokens"] == (len(S2_T1) - 1) // PAGE * PAGE
+    verdict = compare(crossing, served["reference"]["s2-crossing"])
+    assert verdict.ok, f"s2-crossing: {verdict}"
     for name in CORRUPT:
         rid = f"c-{name}"
         assert _report(corrupt[rid])["cachetier_loaded_tokens"] > 0, rid

@@ -156,11 +156,15 @@ def test_a_load_pinned_in_a_voided_epoch_copies_nothing_and_reports_its_blocks(
     worker.tier.close()
 
 
-def test_a_hit_that_ends_a_block_also_fills_the_block_the_pass_runs_in() -> None:
-    """vLLM copies a block-aligned hit's state block into the next block before the connector
-    loads, and its pass reads that copy: both must get the state (found with real engines:
-    block-aligned hits came out wrong until then). A null block (id 0) is never written."""
+def test_a_hit_fills_its_own_block_and_every_block_the_pass_may_run_in() -> None:
+    """vLLM copies a hit's state block into the block the step's pass runs in (the table's last)
+    before the connector loads, and the pass reads that copy: both must get the state (found with
+    real engines: block-aligned hits, then first chunks crossing block ends, came out wrong until
+    then). A null block (id 0) is never written."""
     assert state_blocks([0, 3, 9], 2304, 1152) == [3, 9]
     assert state_blocks([0, 0, 1], 2944, 1152) == [1]
     assert state_blocks([0, 0, 7], 2304, 1152) == [7]
     assert state_blocks([0, 5], 2304, 1152) == [5]  # no block past the table's end
+    # a first chunk from 2,304 to 5,438: null blocks up to the one it ends in
+    assert state_blocks([0, 3, 0, 0, 8], 2304, 1152) == [3, 8]
+    assert state_blocks([0, 0, 4, 0, 8], 2944, 1152) == [4, 8]

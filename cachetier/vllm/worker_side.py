@@ -235,14 +235,15 @@ class ConnectorWorker:
 
 
 def state_blocks(table: list[int], hit_tokens: int, block_tokens: int) -> list[int]:
-    """The blocks of one linear group vLLM may read a hit's state from. Align mode keeps the
-    state at tokens `hit` in the block of the hit's last token; when the hit ends a block, vLLM
-    has already copied that block into the next one (the block the pass runs in) before the
-    connector loads, and the pass reads the copy: both get the state (the next one is
-    overwritten by the pass anyway)."""
-    last = (hit_tokens - 1) // block_tokens
-    wanted = [last] + ([last + 1] if hit_tokens % block_tokens == 0 else [])
-    return [table[i] for i in wanted if i < len(table) and table[i] > 0]
+    """The blocks of one linear group that must hold a hit's state. Align mode keeps the state at
+    tokens `hit` in the block of the hit's last token, which later hits on this engine read; but
+    before the connector loads, vLLM has already copied that block into the block this step's
+    pass runs in (the table's last, past null blocks when the first chunk spans several blocks),
+    and the pass reads its initial state from there. So every real block from the hit's on gets
+    the state: the pass overwrites the ones after it. Found with real engines: a block-aligned
+    hit, then a first chunk crossing block ends, came out wrong until each was covered."""
+    first = (hit_tokens - 1) // block_tokens
+    return [block for block in table[first:] if block > 0]
 
 
 async def _commit(client: Any, pool: str, items: list[CommitItem]) -> None:
