@@ -29,6 +29,7 @@ from index.prefix import PrefixProbe
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
                            PageCopy, ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal,
                            StepRequest)
+from index.tickets import compose, random_nonce, split
 
 
 @dataclass
@@ -47,7 +48,7 @@ class PoolState:
     lru: dict[int, float] = field(default_factory=dict)
     req: dict[str, dict[str, Any]] = field(default_factory=dict)
     reqh: dict[str, bytes] = field(default_factory=dict)
-    tix: dict[int, list[str]] = field(default_factory=dict)
+    tix: dict[int, list[str]] = field(default_factory=dict)  # ticket (counter, nonce) -> rids
     lease: dict[str, int] = field(default_factory=dict)  # request id -> lease deadline (ms)
     lru_page_count: int = 0  # meta.lru_pages as Redis stores it; the reference derives it
     durable_cks: int = 0  # meta.durable_cks: registered checkpoints with dur = 1, kept by both
@@ -71,14 +72,15 @@ class ReferencePool:
 
 
 class ReferenceIndex:
-    """`pool`: join that pool (another face's) instead of creating one at `create()`; `lease_s`
-    and `clock` as `PrefixIndex`'s."""
+    """`pool`: join that pool (another face's) instead of creating one at `create()`; `lease_s`,
+    `clock` and `nonce` as `PrefixIndex`'s."""
 
     def __init__(self, config: Config, weights: EvictionWeights | None = None, *,
                  pool_id: str = "reference", pool: ReferencePool | None = None,
-                 lease_s: float | None = None, clock: Callable[[], float] = time.time) -> None:
+                 lease_s: float | None = None, clock: Callable[[], float] = time.time,
+                 nonce: Callable[[], int] = random_nonce) -> None:
         self.config = config
-        self.lease_s, self.clock = lease_s, clock
+        self.lease_s, self.clock, self.nonce = lease_s, clock, nonce
         self.pool_id = pool_id
         self.weights = weights or lru()
         self.pool = pool
@@ -226,9 +228,11 @@ class ReferenceIndex:
         self._save_lead(lead, rec)
 
     def _new_ticket(self, rids: list[str]) -> int:
+        """lib.lua `new_ticket`: the next counter with a nonce the caller drew."""
         self.s.ticket += 1
-        self.s.tix[self.s.ticket] = rids
-        return self.s.ticket
+        ticket = compose(self.s.ticket, self.nonce())
+        self.s.tix[ticket] = rids
+        return ticket
 
     def _matchable(self, h: bytes) -> tuple[int, int] | None:
         e = self.s.ep.get(h)
@@ -486,8 +490,7 @@ class ReferenceIndex:
             r["pos"] = r["stop"] = item.stop
             r["tix"].append(ticket)
             out.append(CommittedRequest(item.rid, count, state, stored, parent, p["ckh"] or None))
-        self._new_ticket([i.rid for i in items])
-        return CommitResult(ticket, out, removed)
+        return CommitResult(self._new_ticket([i.rid for i in items]), out, removed)
 
     def _check_commit(self, item: CommitItem, r: dict[str, Any]) -> None:
         if r["stop"] == r["pos"]:
@@ -610,6 +613,8 @@ class ReferenceIndex:
 
     # -- confirm.lua --------------------------------------------------------------------------
     async def confirm(self, ticket: int) -> int:
+        """A ticket's counter and nonce must both be those issued (index.tickets)."""
+        number, _ = split(ticket)
         self._check_epoch()
         if ticket not in self.s.tix:
             raise UnknownEntity(f"unknown ticket {ticket}")
@@ -620,12 +625,12 @@ class ReferenceIndex:
                 continue
             keep = []
             for item in r["pend"]:
-                if item["t"] <= ticket:
+                if item["t"] <= number:
                     self._settle(item)
                 else:
                     keep.append(item)
             r["pend"] = keep
-            r["tix"].remove(ticket)
+            r["tix"].remove(number)
             count += 1
         return count
 
@@ -686,7 +691,9 @@ class ReferenceIndex:
             released += 1
         return ReleaseResult(released, unknown, removed)
 
-    def _leave_ticket(self, ticket: int, rid: str) -> None:
+    def _leave_ticket(self, number: int, rid: str) -> None:
+        """Requests name their tickets by counter (as in Redis); `tix` is keyed by ticket."""
+        ticket = next(t for t in self.s.tix if split(t)[0] == number)
         rids = [r for r in self.s.tix[ticket] if r != rid]
         if rids:
             self.s.tix[ticket] = rids

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from index.records import IndexStats
 from index.reference import PoolState, pack_ids
+from index.tickets import compose, split
 
 _TEXT_FIELDS = ("k", "st", "owner", "cls")
 
@@ -41,11 +42,16 @@ async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
         lru={int(m): s for m, s in lru},
         req={k.decode(): _request(msgpack.unpackb(v, raw=True)) for k, v in req.items()},
         reqh={k.decode(): v for k, v in reqh.items()},
-        tix={int(k): [r.decode() for r in msgpack.unpackb(v, raw=True)] for k, v in tix.items()},
+        tix=dict(_ticket(int(k), msgpack.unpackb(v, raw=True)) for k, v in tix.items()),
         lease={rid.decode(): int(d) for rid, d in lease},
         lru_page_count=meta["lru_pages"],
         durable_cks=meta["durable_cks"],
     )
+
+
+def _ticket(number: int, entry: dict[bytes, Any]) -> tuple[int, list[str]]:
+    """A `tix` entry as the reference keeps it: the ticket (counter and nonce) -> its rids."""
+    return compose(number, entry[b"n"]), [r.decode() for r in entry[b"rids"]]
 
 
 def recount(state: PoolState, num_pages: int) -> IndexStats:
@@ -117,7 +123,8 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
         "meta.durable_cks out of step with the checkpoints' classes")
     assert set(state.lease) <= set(state.req), "a lease outlives its request"
     for ticket, rids in state.tix.items():
-        assert rids and all(ticket in state.req[rid]["tix"] for rid in rids), f"ticket {ticket} dangles"
+        number = split(ticket)[0]
+        assert rids and all(number in state.req[rid]["tix"] for rid in rids), f"ticket {ticket} dangles"
     pins = _expected_pins(state)
     for lead, rec in leads.items():
         assert rec["ref"] == pins.get(lead, 0), f"page {lead} refcount {rec['ref']} != holders {pins.get(lead, 0)}"

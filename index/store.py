@@ -34,6 +34,7 @@ from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResu
                            PageCopy, ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal,
                            StepRequest)
 from index.scripts import Scripts
+from index.tickets import compose, random_nonce, split
 
 KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "rf", "path",
              "lease")
@@ -63,7 +64,8 @@ class PrefixIndex:
     def __init__(self, redis: Redis, pool_id: str, config: Config,
                  weights: EvictionWeights | None = None, acks: ReplicaAcks | None = None,
                  tag: str | None = None, *, lease_s: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 nonce: Callable[[], int] = random_nonce) -> None:
         self.redis = redis
         self.pool_id = pool_id
         self.config = config
@@ -71,7 +73,8 @@ class PrefixIndex:
         self.keys = pool_keys(pool_id, tag)
         self.epoch = 0
         self.writes = 0  # the highest meta.wc a reply carried
-        self.ticket = 0  # the highest ticket a reply carried
+        self.ticket = 0  # the highest ticket counter a reply carried
+        self.nonce = nonce  # each new ticket's nonce (index.tickets)
         self.lease_s = lease_s
         self.clock = clock
         self._scripts = Scripts(redis, acks=acks)  # acks: writes wait for replicas (a cluster)
@@ -117,11 +120,11 @@ class PrefixIndex:
 
     async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         self._check_batch(requests)
-        reply = await self._call("plan_step", self._step_arguments(requests))
+        reply = await self._call("plan_step", [*self._step_arguments(requests), self.nonce()])
         if not reply["ok"]:
             return StepRefusal(reply["reason"].decode(), reply["need"], reply["available"])
         groups = self.config.model.mla_groups
-        return StepPlan(ticket=reply["ticket"], epoch=reply["epoch"],
+        return StepPlan(ticket=compose(reply["ticket"], reply["nonce"]), epoch=reply["epoch"],
                         requests=[_request_plan(r, groups) for r in reply["requests"]],
                         evicted=reply["evicted"], removed=_removals(reply["removed"]))
 
@@ -129,23 +132,24 @@ class PrefixIndex:
         """The KEYS and ARGV `plan_step(requests)` would send now, checked as it checks them: a
         benchmark sends them to a no-op script to measure what Redis costs before any Lua runs."""
         self._check_batch(requests)
-        return self.keys, [self.epoch, *self._step_arguments(requests)]
+        return self.keys, [self.epoch, *self._step_arguments(requests), self.nonce()]
 
     def _step_arguments(self, requests: Sequence[StepRequest]) -> list[Any]:
         blobs = [bytes(r.hashes) for r in requests if r.is_new]
         return [_pack(self._encode_batch(requests)), *blobs]
 
     async def confirm(self, ticket: int) -> int:
-        """Returns how many of the ticket's requests were still active."""
-        return (await self._call("confirm", [ticket]))["requests"]
+        """Returns how many of the ticket's requests were still active; a ticket this pool did
+        not issue in its current epoch (a guess, another epoch's or life's) is `UnknownEntity`."""
+        return (await self._call("confirm", list(split(ticket))))["requests"]
 
     async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
         self._check_size(items)
         batch = [{"rid": i.rid, "stop": i.stop, "ckpt_tokens": i.checkpoint_tokens,
                   "kind": i.checkpoint_class} for i in items]
-        reply = await self._call("commit", [_pack(batch)])
+        reply = await self._call("commit", [_pack(batch), self.nonce()])
         return CommitResult(
-            ticket=reply["ticket"],
+            ticket=compose(reply["ticket"], reply["nonce"]),
             requests=[self._committed(r) for r in _list(reply["requests"])],
             removed=_removals(reply["removed"]))
 

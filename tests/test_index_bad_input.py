@@ -40,6 +40,7 @@ async def raw(d, script: str, *args):
 
 
 GOOD_HASHES = chain_hashes(list(range(12)), ROOT, 4)
+NONCE = 12345  # a new ticket's nonce: plan_step's last argument, commit's third
 
 
 def new_item(rid="x", compute=1, tokens=12, hashes=1, ckpt=1, **flags) -> dict:
@@ -77,15 +78,16 @@ async def test_bad_plan_is_refused_without_a_write(warm, redis, case):
     batch, blobs = RAW_PLAN_CASES[case]
     before = await dump(redis)
     with pytest.raises(BadRequest) as err:
-        await raw(warm, "plan_step", batch, *blobs)
+        await raw(warm, "plan_step", batch, *blobs, NONCE)
     assert str(err.value) and "script" not in str(err.value)
     assert await dump(redis) == before
 
 
 async def test_the_raw_plan_cases_are_valid_once_fixed(warm):
     """The cases above fail for the reason they name: the same call with good values succeeds."""
-    reply = msgpack.unpackb(await raw(warm, "plan_step", packed([new_item()]), GOOD_HASHES), raw=True)
-    assert reply[b"ok"] == 1
+    reply = msgpack.unpackb(await raw(warm, "plan_step", packed([new_item()]), GOOD_HASHES, NONCE),
+                            raw=True)
+    assert reply[b"ok"] == 1 and reply[b"nonce"] == NONCE
 
 
 COMMIT_CASES = {
@@ -108,7 +110,7 @@ async def test_bad_commit_is_refused_without_a_write(warm, redis, case):
     batch, error = COMMIT_CASES[case]
     before = await dump(redis)
     with pytest.raises(error):
-        await raw(warm, "commit", packed(batch))
+        await raw(warm, "commit", packed(batch), NONCE)
     assert await dump(redis) == before
 
 
@@ -117,7 +119,15 @@ async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
     with pytest.raises(UnknownEntity):
         await warm.index.confirm(10**9)
     with pytest.raises(BadRequest):
-        await raw(warm, "confirm", "not-a-number")
+        await raw(warm, "confirm", "not-a-number", NONCE)
+    for nonce in ([], ["x"], [-1], [1 << 24], [0.5]):  # a ticket's nonce missing or out of range
+        with pytest.raises(BadRequest):
+            await raw(warm, "plan_step", packed([new_item()]), GOOD_HASHES, *nonce)
+        with pytest.raises(BadRequest):
+            await raw(warm, "commit", packed([{"rid": "mid", "stop": 8, "ckpt_tokens": 0,
+                                                "kind": "turn"}]), *nonce)
+        with pytest.raises(BadRequest):
+            await raw(warm, "confirm", 1, *nonce)
     with pytest.raises(BadRequest):
         await raw(warm, "release", packed([1, 2]))
     with pytest.raises(BadRequest):

@@ -36,6 +36,7 @@ from index.redis_link import RedisTarget, close, connect
 from index.reference import ReferenceIndex
 from index.snapshot import read_pool, recount, sanity_check
 from index.store import PrefixIndex
+from index.tickets import NONCE_BITS
 from tests.index_harness import ROOT, Driver, new_request, small_config
 
 
@@ -66,9 +67,11 @@ class IndexMachine(RuleBasedStateMachine):
         self.redis = connect(self.target)
         self.loop.run_until_complete(self.redis.flushall())
         self.now = 1_000.0  # both faces' clock (s): leases run out as `time_passes` says
+        self.call_nonce = 0  # both faces draw this nonce for the tickets of one operation
         real = PrefixIndex(self.redis, "m", self.config, acks=self.acks, lease_s=LEASE_S,
-                           clock=self.clock)
-        ref = ReferenceIndex(self.config, pool_id="m", lease_s=LEASE_S, clock=self.clock)
+                           clock=self.clock, nonce=self.nonce)
+        ref = ReferenceIndex(self.config, pool_id="m", lease_s=LEASE_S, clock=self.clock,
+                             nonce=self.nonce)
         for index in (real, ref):
             self.loop.run_until_complete(index.create())
         self.real = Driver(real, self.config)
@@ -80,6 +83,13 @@ class IndexMachine(RuleBasedStateMachine):
     def clock(self) -> float:
         return self.now
 
+    def nonce(self) -> int:
+        return self.call_nonce
+
+    def next_nonce(self) -> None:
+        """A new nonce for the next operation on both faces (an LCG: the same on both)."""
+        self.call_nonce = (self.call_nonce * 1103515245 + 12345) % (1 << NONCE_BITS)
+
     def teardown(self) -> None:
         self.loop.run_until_complete(close(self.redis))
         self.loop.close()
@@ -87,6 +97,7 @@ class IndexMachine(RuleBasedStateMachine):
     def both(self, op: str, *args):
         """Run one operation on both sides; they must agree on the result or on the error."""
         outcomes = []
+        self.next_nonce()
         for driver in (self.real, self.ref):
             try:
                 outcomes.append(self.loop.run_until_complete(getattr(driver, op)(*args)))
@@ -98,6 +109,7 @@ class IndexMachine(RuleBasedStateMachine):
     def faces(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """One call straight on both faces (no driver); same agreement as `both`."""
         outcomes = []
+        self.next_nonce()
         for index in (self.real.index, self.ref.index):
             try:
                 outcomes.append(self.loop.run_until_complete(call(index)))

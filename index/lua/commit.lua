@@ -6,7 +6,8 @@
 --           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
 --           (a multiple of the hash block inside (start, stop]) or 0,
 --           kind = the checkpoint's class, one of COMMIT_KINDS (eviction.policy CheckpointKind)}
--- returns msgpack {ticket, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
+-- ARGV[3] - the new ticket's nonce (lib.lua `check_nonce`)
+-- returns msgpack {ticket, nonce, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
 --           `stored` is the chain of block hashes this commit processed (registered here or
 --           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
 --           checkpoint registered ("" if none): what cache-event consumers are told was stored.
@@ -30,6 +31,7 @@
 
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
+local nonce = check_nonce(ARGV[3])
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 if #batch == 0 then fail("BADINPUT", "empty commit") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
@@ -205,6 +207,6 @@ for n, item in ipairs(batch) do
   out[n] = {rid = item.rid, endpoints = count, ckpt = ck_state, stored = stored, parent = parent,
             ckh = p.ckh}
 end
-new_ticket(m, rids)
+new_ticket(m, rids, nonce)
 save_meta(m)
-return reply({ticket = ticket, requests = out, removed = removed})
+return reply({ticket = ticket, nonce = nonce, requests = out, removed = removed})

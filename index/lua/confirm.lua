@@ -2,7 +2,8 @@
 --
 -- KEYS   - the pool's keys, see lib.lua
 -- ARGV[1] - epoch
--- ARGV[2] - ticket returned by plan_step or commit
+-- ARGV[2] - the counter of a ticket returned by plan_step or commit
+-- ARGV[3] - its nonce: a ticket whose nonce differs is unknown (lib.lua `check_nonce`)
 -- returns msgpack {ticket, requests = n}
 --
 -- Confirmation is cumulative per request, like a device stream: confirming ticket t settles every
@@ -12,9 +13,14 @@
 
 local m = load_meta(ARGV[1])
 local ticket = tonumber(ARGV[2])
-if ticket == nil then fail("BADINPUT", "ticket must be an integer") end
+if not is_int(ticket, 0) then fail("BADINPUT", "ticket must be an integer") end
+local nonce = check_nonce(ARGV[3])
 local raw = redis.call("HGET", K_TIX, ticket)
-if not raw then fail("UNKNOWN", "unknown ticket " .. ARGV[2] .. " (already confirmed, or the pool was invalidated)") end
+local entry = raw and cmsgpack.unpack(raw)
+if not entry or entry.n ~= nonce then
+  fail("UNKNOWN", "unknown ticket " .. ARGV[2] .. " (already confirmed, the pool was invalidated, "
+       .. "or never issued)")
+end
 redis.call("HDEL", K_TIX, ticket)
 
 local function settle(item)
@@ -36,7 +42,7 @@ local function settle(item)
 end
 
 local count = 0
-for _, rid in ipairs(cmsgpack.unpack(raw)) do
+for _, rid in ipairs(entry.rids) do
   local r = get_req(rid)
   if r ~= nil then
     local keep = {}

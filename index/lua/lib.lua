@@ -10,7 +10,7 @@
 --   KEYS[6] lru    ZSET  evictable lead page ids, scored by the pool's eviction weights
 --   KEYS[7] req    HASH  request id -> msgpack request record
 --   KEYS[8] reqh   HASH  request id -> its prompt's chained hashes from its first own page on
---   KEYS[9] tix    HASH  ticket -> msgpack list of request ids to confirm
+--   KEYS[9] tix    HASH  ticket counter -> msgpack {n = its nonce, rids = request ids to confirm}
 --   KEYS[10] rf    HASH  registered MLA lead -> ready (confirmed) hash blocks: matching reads it
 --                        without decoding the page record
 --   KEYS[11] path  HASH  registered MLA lead -> the page sets of all its ancestors, slot by slot,
@@ -96,7 +96,8 @@
 --   epoch            the current epoch; a new one (invalidate_pool) voids every page id
 --   fresh            the lowest page id never allocated in this epoch
 --   tick             logical time: +1 per plan_step and pin_prefix (the `lu` stamps)
---   ticket           the last ticket issued (never reissued)
+--   ticket           the last ticket counter issued (never reissued); a caller's ticket is the
+--                    counter and the nonce it drew (index/tickets.py, `new_ticket`)
 --   lru_pages        pages held by the members of `lru`, so a step's capacity check is O(1)
 --   clock            the GreedyDual clock: evicting an entry raises it to the entry's lc plus
 --                    its value term, when that is higher
@@ -426,9 +427,20 @@ local function unpin(m, id)
   save_lead(m, id, rec)
 end
 
-local function new_ticket(m, rids)
+-- A ticket is its counter and the nonce its caller drew (index/tickets.py: Lua has no secret
+-- randomness), stored with the ticket's requests: confirm must name both, so the next counter
+-- value, or a counter issued again in another epoch or life of the pool, is an unknown ticket.
+local function check_nonce(arg)
+  local nonce = tonumber(arg)
+  if not is_int(nonce, 0, TICKET_NONCES - 1) then
+    fail("BADINPUT", "the ticket nonce must be an integer in [0, " .. TICKET_NONCES .. ")")
+  end
+  return nonce
+end
+
+local function new_ticket(m, rids, nonce)
   m.ticket = m.ticket + 1
-  redis.call("HSET", K_TIX, m.ticket, cmsgpack.pack(rids))
+  redis.call("HSET", K_TIX, m.ticket, cmsgpack.pack({n = nonce, rids = rids}))
   return m.ticket
 end
 

@@ -20,8 +20,9 @@
 --           recycle it), lease = a deadline in ms (optional: the request's lease runs to it,
 --           renewed by each step; release.lua reaps it past that)}.
 --           An active request id continues its prefill; an unknown one is looked up.
--- ARGV[3..] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
--- returns msgpack {ok = 1, ticket, epoch, requests = {{rid, hit, match, start, stop, shared, own,
+-- ARGV[3..n-1] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
+-- ARGV[n]  - the new ticket's nonce (lib.lua `check_nonce`)
+-- returns msgpack {ok = 1, ticket, nonce, epoch, requests = {{rid, hit, match, start, stop, shared, own,
 --           state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
 --           at lookup, in tokens) where `shared` is the packed page table
 --           of the slots served from the cache and `own` the request's page sets after them; or
@@ -32,6 +33,7 @@
 
 local epoch_arg, batch_blob = ARGV[1], ARGV[2]
 local m = load_meta(epoch_arg)
+local nonce = check_nonce(ARGV[#ARGV])
 local batch = unpack_arg(batch_blob, "batch")
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 local PT = B * PB
@@ -64,7 +66,7 @@ local function check_request(item, seen)
     return r, nil
   end
   if not is_int(item.tokens, 1, 1099511627776) then fail("BADINPUT", item.rid .. ": tokens must be an integer >= 1") end
-  local blob = is_int(item.hashes, 1, #ARGV - 2) and ARGV[2 + item.hashes]
+  local blob = is_int(item.hashes, 1, #ARGV - 3) and ARGV[2 + item.hashes]
   if not blob or #blob ~= math.floor(item.tokens / B) * HL then
     fail("BADINPUT", item.rid .. ": hashes must hold one " .. HL .. "-byte hash per complete " .. B .. "-token block")
   end
@@ -207,7 +209,7 @@ for n, p in ipairs(plans) do
             state = state, ckpt = ckpt, ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0,
             copies = copies}
 end
-local ticket = new_ticket(m, rids)
+local ticket = new_ticket(m, rids, nonce)
 save_meta(m)
-return reply({ok = 1, ticket = ticket, epoch = m.epoch, requests = out, evicted = #removed,
+return reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out, evicted = #removed,
               removed = removed})

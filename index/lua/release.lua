@@ -55,9 +55,9 @@ local function roll_back(rec, rf)
 end
 
 local function leave_ticket(t, rid)
-  local rids = cmsgpack.unpack(redis.call("HGET", K_TIX, t))
-  remove_from(rids, rid)
-  if #rids == 0 then redis.call("HDEL", K_TIX, t) else redis.call("HSET", K_TIX, t, cmsgpack.pack(rids)) end
+  local entry = cmsgpack.unpack(redis.call("HGET", K_TIX, t))
+  remove_from(entry.rids, rid)
+  if #entry.rids == 0 then redis.call("HDEL", K_TIX, t) else redis.call("HSET", K_TIX, t, cmsgpack.pack(entry)) end
 end
 
 local function release_page(lead)
