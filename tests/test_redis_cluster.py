@@ -29,6 +29,8 @@ from cachetier.errors import CacheTierError, ErrorCode, RemoteError
 from cachetier.run.redis_cluster import ClusterShape, LocalRedisCluster
 from cachetier.service.server import ServiceSettings, describe
 from index.execution import ReplicaAcks
+from index.holder import storage_holder
+from index.identity import PoolView, fresh_epoch
 from index.lifecycle import RequestLifecycle
 from index.records import StepPlan
 from index.redis_link import BoundedCluster, RedisTarget, WriteNotAcknowledged, close, connect
@@ -386,3 +388,52 @@ async def test_a_plan_no_replica_acknowledged_is_released_and_raised(redis):
     with pytest.raises(WriteNotAcknowledged):  # the bump ran, and says no replica holds it
         await acked.invalidate()
     assert await plain.current_epoch() == plain.epoch + 1
+
+
+async def test_the_holder_is_the_slot_masters_and_a_failover_that_lost_writes_moves_it(
+        own_cluster):
+    """On a cluster a pool's holder is the master of its slot (node id and run id), whichever
+    node a call reaches, so callers agree on it; its replicas frozen (SIGSTOP) while it takes
+    writes, then SIGKILLed and one of them promoted without those writes, a caller that saw no
+    write (a service just started: the write count cannot tell) finds the holder moved and
+    starts the pool over in a fresh epoch."""
+    cluster = own_cluster
+    redis = connect(RedisTarget.cluster(cluster.startup_nodes))
+    try:
+        index = PrefixIndex(redis, "p", TINY, acks=ReplicaAcks(2, 1000))  # the `{p}` tag
+        await index.create()
+        key = index.keys[0]
+        master = cluster.master_of_slot(key_slot(key.encode()))
+        with master.client() as direct:
+            expected = (f"{direct.execute_command('CLUSTER', 'MYID').decode()}/"
+                        f"{direct.info('server')['run_id']}")
+        assert {await storage_holder(redis, key) for _ in range(6)} == {expected}
+        assert await index.reconcile(index.view, expected, fresh_epoch(index.view)) == ""
+        assert await PrefixIndex(redis, "p", TINY).reconcile(PoolView(), expected, 0) == ""
+        writer = PrefixIndex(redis, "p", TINY)  # unacknowledged: what the promotion loses
+        writer.epoch = index.epoch
+        frozen = replicas_of(cluster, master.port)
+        for port in frozen:
+            os.kill(cluster.node(port).pid, signal.SIGSTOP)
+        try:
+            with master.client() as direct:
+                direct.set("ballast{p}", b"x" * BALLAST)
+            for i in range(3):
+                plan = await writer.plan_step([new_request(f"w{i}", DOC[:60] + [i], 61, BLOCK)])
+                await writer.confirm(plan.ticket)
+        finally:
+            os.kill(master.pid, signal.SIGKILL)
+            for port in frozen:
+                os.kill(cluster.node(port).pid, signal.SIGCONT)
+        await asyncio.to_thread(cluster.wait_ready)
+        await redis.refresh_topology()
+        assert int(await redis.hget(key, "wc") or 0) < writer.writes, "no write was lost"
+        moved = await storage_holder(redis, key)
+        assert moved != expected and moved.split("/")[0] != expected.split("/")[0]
+        fresh = PrefixIndex(redis, "p", TINY)
+        why = await fresh.reconcile(PoolView(), moved, fresh_epoch(PoolView()))
+        assert why.startswith("holder moved"), why
+        assert fresh.epoch > writer.epoch and (await fresh.stats()).requests == 0
+        assert await PrefixIndex(redis, "p", TINY).reconcile(PoolView(), moved, 0) == ""
+    finally:
+        await close(redis)

@@ -18,25 +18,18 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from cachetier.errors import PoolRecovering
 from cachetier.service.fleet import PoolAgents
 from cachetier.service.observer import ServiceObserver
+from index.holder import storage_holder
 from index.identity import PoolView, fresh_epoch
+from index.redis_link import is_transient
 from index.store import PrefixIndex
 
 logger = logging.getLogger("cachetier.service.recovery")
 RETRY_MIN_S, RETRY_MAX_S = 0.05, 1.0
-
-
-async def storage_holder(redis: Redis) -> str:
-    """The storage instance answering now: the Redis server's run id, new at every start (a
-    restart, a restore, a replica promoted in a failover)."""
-    info = await redis.info("server")
-    return str(info["run_id"])
 
 
 @dataclass(eq=False)
@@ -66,7 +59,7 @@ class PoolRecovery:
         """Reconcile the pool (which must exist) with this replica's view and `also_seen` (an
         agent's registration); returns why it started over, "" if it did not."""
         seen = self.index.view.merge(also_seen)
-        holder = await storage_holder(self.index.redis)
+        holder = await storage_holder(self.index.redis, self.index.keys[0])
         why = await self.index.reconcile(seen, holder, fresh_epoch(seen))
         self.verified = True
         if why:
@@ -92,7 +85,9 @@ class PoolRecovery:
                 await self.index.create()  # again, if the storage lost it
                 await self.reconcile(seen)
                 return
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisError, OSError) as exc:
+                if isinstance(exc, RedisError) and not is_transient(exc):
+                    raise
                 logger.info("pool %s: recovery waits for Redis: %s", self.agents.pool, exc)
             await asyncio.sleep(delay)
             delay = min(2 * delay, RETRY_MAX_S)
