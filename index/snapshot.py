@@ -124,7 +124,8 @@ def sanity_check(state: PoolState, num_pages: int, blocks_per_page: int) -> None
     assert set(state.lease) <= set(state.req), "a lease outlives its request"
     for ticket, rids in state.tix.items():
         number = split(ticket)[0]
-        assert rids and all(number in state.req[rid]["tix"] for rid in rids), f"ticket {ticket} dangles"
+        assert rids and all(number in state.req[rid]["tix"] for rid in rids), (
+            f"ticket {ticket} dangles")
     pins = _expected_pins(state)
     for lead, rec in leads.items():
         assert rec["ref"] == pins.get(lead, 0), f"page {lead} refcount {rec['ref']} != holders {pins.get(lead, 0)}"

@@ -45,6 +45,7 @@ from index.lifecycle import RequestLifecycle
 from index.records import RequestPlan, StepPlan
 from index.snapshot import read_pool
 from index.store import pool_keys
+from index.tickets import split
 from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, eventually,
                                    running_agent, running_service)
 from tests.index_harness import ROOT, commit_item, new_request, only
@@ -287,10 +288,10 @@ class Recorder(ServiceObserver):
         self.heard: list[tuple[str, Any]] = []
 
     def step_planned(self, pool: str, plan: StepPlan) -> None:
-        self.heard.append(("planned", plan.ticket))
+        self.heard.append(("planned", split(plan.ticket)[0]))  # the counter
 
     def committed(self, pool: str, result: Any) -> None:
-        self.heard.append(("committed", result.ticket))
+        self.heard.append(("committed", split(result.ticket)[0]))
 
     def released(self, pool: str, result: Any) -> None:
         self.heard.append(("released", result.released))

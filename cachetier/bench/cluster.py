@@ -12,7 +12,7 @@ the shards (`index.placement`) and the plan and commit are acknowledged by a rep
 likewise for the commit). With `--failover` (on by default) the master of the first pool's
 shard is SIGKILLed half-way through the cluster run: `failover_unavailable_s` is the time from
 the kill to the first cycle completed again on that shard's pools, and
-`lost_acknowledged_writes` counts the tickets a caller was given by an acknowledged plan or
+`lost_acknowledged_writes` counts the ticket counters a caller was given by an acknowledged plan or
 commit that the pool then issued again (what a failover that lost them would do).
 
 This machine runs every shard, its replicas and the callers on the same few cores, so the
@@ -50,6 +50,7 @@ from index.placement import ShardPlacement
 from index.records import CommitItem, StepPlan, StepRequest
 from index.redis_link import RedisClient, RedisTarget, close, connect, is_transient
 from index.store import PrefixIndex
+from index.tickets import split
 
 PREFIX_BLOCKS = 6  # the prefix every request of a pool shares, then 2 blocks of its own
 _TIMING_SAMPLES = 300
@@ -100,10 +101,10 @@ async def cycle(index: PrefixIndex, rid: str, tokens: list[int], root: bytes,
             if not isinstance(plan, StepPlan):
                 tally.errors["refused"] += 1
                 return
-            given.append((plan.epoch, plan.ticket))
+            given.append((plan.epoch, split(plan.ticket)[0]))  # counters: a lost write's
             done = await index.commit([CommitItem(rid, len(tokens), len(tokens) // block * block,
                                                   True)])
-            given.append((plan.epoch, done.ticket))
+            given.append((plan.epoch, split(done.ticket)[0]))  # comes back, not its nonce
             await index.confirm(done.ticket)
         tally.done(index.pool_id, started)
     except Exception as exc:  # noqa: BLE001 (counted by kind; the run goes on)

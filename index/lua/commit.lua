@@ -7,7 +7,8 @@
 --           (a multiple of the hash block inside (start, stop]) or 0,
 --           kind = the checkpoint's class, one of COMMIT_KINDS (eviction.policy CheckpointKind)}
 -- ARGV[3] - the new ticket's nonce (lib.lua `check_nonce`)
--- returns msgpack {ticket, nonce, requests = {{rid, endpoints, ckpt, stored, parent, ckh}}, removed}:
+-- returns msgpack {ticket, nonce, requests = {{rid, endpoints, ckpt, stored, parent, ckh}},
+--           removed}:
 --           `stored` is the chain of block hashes this commit processed (registered here or
 --           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
 --           checkpoint registered ("" if none): what cache-event consumers are told was stored.

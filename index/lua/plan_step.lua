@@ -22,8 +22,8 @@
 --           An active request id continues its prefill; an unknown one is looked up.
 -- ARGV[3..n-1] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
 -- ARGV[n]  - the new ticket's nonce (lib.lua `check_nonce`)
--- returns msgpack {ok = 1, ticket, nonce, epoch, requests = {{rid, hit, match, start, stop, shared, own,
---           state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
+-- returns msgpack {ok = 1, ticket, nonce, epoch, requests = {{rid, hit, match, start, stop, shared,
+--           own, state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
 --           at lookup, in tokens) where `shared` is the packed page table
 --           of the slots served from the cache and `own` the request's page sets after them; or
 --           {ok = 0, reason, need, available}
@@ -211,5 +211,5 @@ for n, p in ipairs(plans) do
 end
 local ticket = new_ticket(m, rids, nonce)
 save_meta(m)
-return reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out, evicted = #removed,
-              removed = removed})
+return reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out,
+              evicted = #removed, removed = removed})

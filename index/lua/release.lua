@@ -57,7 +57,11 @@ end
 local function leave_ticket(t, rid)
   local entry = cmsgpack.unpack(redis.call("HGET", K_TIX, t))
   remove_from(entry.rids, rid)
-  if #entry.rids == 0 then redis.call("HDEL", K_TIX, t) else redis.call("HSET", K_TIX, t, cmsgpack.pack(entry)) end
+  if #entry.rids == 0 then
+    redis.call("HDEL", K_TIX, t)
+  else
+    redis.call("HSET", K_TIX, t, cmsgpack.pack(entry))
+  end
 end
 
 local function release_page(lead)
