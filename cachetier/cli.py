@@ -116,7 +116,8 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         redis_url=args.redis or "", token=_token(args), config=config_from_args(args),
         listen=args.listen, copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
         redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
-        redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout)
+        redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout,
+        route_from_replicas=args.route_replicas)
     if args.redis_acks is not None and args.redis_acks < 0 or args.redis_ack_timeout < 1:
         raise ConfigError("--redis-acks", "replicas must be >= 0 and the timeout >= 1 ms")
     if args.redis_cluster:
@@ -227,6 +228,8 @@ def _add_serve_parser(commands: Any) -> None:
                             "answered (WAIT; default 1 with --redis-cluster, 0 with --redis)")
     serve.add_argument("--redis-ack-timeout", type=int, default=100, metavar="MS",
                        help="how long a write waits for its replicas (default 100 ms)")
+    serve.add_argument("--route-replicas", action="store_true",
+                       help="route reads its probes on the shards' replicas (a cluster)")
     serve.add_argument("--listen", default="tcp://127.0.0.1:7400", metavar="URL",
                        help="tcp://HOST:PORT (port 0: any free port) or unix:///PATH")
     serve.add_argument("--copy-timeout", type=float, default=10.0, metavar="SECONDS",

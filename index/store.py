@@ -195,8 +195,18 @@ class PrefixIndex:
         """Read-only: what the pool could serve of the prompt now (no pin, no recency), for a
         router choosing among pools."""
         view = self.view
-        raw = await self._script("probe", [prompt_tokens, bytes(hashes)])
-        reply = self._checked(view, _decode_keys(msgpack.unpackb(raw, raw=True)))
+        return self.probe_answer(view, await self._script("probe", [prompt_tokens, bytes(hashes)]))
+
+    def probe_answer(self, view: PoolView, raw: bytes, replica: bool = False) -> PrefixProbe:
+        """`probe.lua`'s reply to a call sent with `view` (`index.routing` sends many at once).
+        From the master a reply behind the view is a rollback; from a `replica` it is lag: one
+        in an epoch before the view's speaks of void pages and reports no hit (a replica may
+        shrink a hit, never make one up; a plan on the master decides what is served)."""
+        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        if replica and reply["epoch"] < view.epoch:
+            return PrefixProbe(self.pool_id, view.epoch, 0, 0)
+        if not replica:
+            reply = self._checked(view, reply)
         block = self.config.cache.hash_block_tokens
         return PrefixProbe(self.pool_id, reply["epoch"], reply["hit"] * block, reply["mla"] * block)
 
@@ -242,12 +252,17 @@ class PrefixIndex:
         """One script call; a pool this view has seen that is gone is `StorageLost`."""
         try:
             return await self._scripts.call(name, self.keys, args)
-        except UnknownPool as exc:
+        except (UnknownPool, StorageRollback) as exc:
+            raise self.storage_error(exc) from None
+
+    def storage_error(self, exc: UnknownPool | StorageRollback) -> Exception:
+        """What a script's refusal means for this view: a pool it has seen that is gone is
+        `StorageLost`; a rollback names the pool."""
+        if isinstance(exc, UnknownPool):
             if self.view == PoolView():
-                raise
-            raise self._rolled_back(StorageLost(f"pool {self.pool_id} was lost: {exc}")) from None
-        except StorageRollback as exc:
-            raise self._rolled_back(exc) from None
+                return exc
+            exc = StorageLost(f"pool {self.pool_id} was lost: {exc}")
+        return self._rolled_back(exc)
 
     def _checked(self, view: PoolView, reply: dict[str, Any]) -> dict[str, Any]:
         """A read-only reply (any epoch) from a pool behind the view the call was sent with is

@@ -60,6 +60,7 @@ from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, St
 from index.redis_link import RedisClient, RedisTarget, WriteNotAcknowledged, is_transient
 from index.redis_link import close as close_redis
 from index.redis_link import connect as connect_redis
+from index.routing import probe_pools
 from index.store import PrefixIndex
 
 logger = logging.getLogger("cachetier.service.server")
@@ -98,6 +99,8 @@ class ServiceSettings:
     # acts on it (`index.execution`); None: 1 on a cluster, 0 (no WAIT) on one server
     redis_acks: int | None = None
     redis_ack_timeout_ms: int = 100
+    # `route` reads its probes on the shards' replicas (`index.routing`); a cluster only
+    route_from_replicas: bool = False
 
     def redis_target(self) -> RedisTarget:
         bounds = {"max_connections": self.redis_connections, "wait_s": self.redis_wait_s}
@@ -496,10 +499,11 @@ class CacheTierService:
         return PoolStats(pool=msg.pool, ranks=sorted(state.agents.links), **asdict(stats))
 
     async def _route(self, msg: Route) -> RouteReply:
-        """Every pool's probe, concurrently; the longest usable prefix first."""
+        """Every pool's probe, one round trip per shard (`index.routing`); the longest usable
+        prefix first."""
         states = [await self._known_pool(pool) for pool in dict.fromkeys(msg.pools)]
-        probes = await asyncio.gather(*(s.index.probe(msg.prompt_tokens, msg.hashes)
-                                        for s in states))
+        probes = await probe_pools([s.index for s in states], msg.prompt_tokens, msg.hashes,
+                                   self.settings.route_from_replicas)
         return RouteReply(sorted(probes, key=lambda p: (-p.hit_tokens, -p.mla_tokens)))
 
     async def _pin(self, msg: Pin) -> PinnedPrefix:
