@@ -69,7 +69,8 @@ def state_pattern(tokens: list[int], group: int, nbytes: int) -> torch.Tensor:
 @dataclass
 class Worker:
     """One scheduler on pool `pool` through the service, writing and checking the bytes of the
-    in-process agent's pool `view`; every plan's epoch is logged in order."""
+    in-process agent's pool `view`; every plan's epoch is logged in order, and every ticket a
+    plan or commit was answered with, as (epoch, ticket)."""
 
     tier: CacheTierClient
     view: PagedPool
@@ -77,12 +78,14 @@ class Worker:
     block: int
     page: int
     epochs: list[int] = field(default_factory=list)
+    tickets: list[tuple[int, int]] = field(default_factory=list)
     hits: int = 0
     wrong: list[str] = field(default_factory=list)
     retryable: dict[str, int] = field(default_factory=dict)
 
     async def plan(self, rid: str, tokens: list[int]) -> RequestPlan:
-        """Plan a new request (retrying retryable errors for up to 10 s); its hit is checked."""
+        """Plan a new request (retrying retryable errors for up to 10 s, releasing it first as a
+        scheduler must: the plan may have run); its hit is checked."""
         async with asyncio.timeout(10):
             while True:
                 try:
@@ -93,9 +96,11 @@ class Worker:
                     if not exc.retryable:
                         raise
                     self.retryable[exc.code] = self.retryable.get(exc.code, 0) + 1
+                    await self.release(rid)  # the plan may have run: released before again
                     await asyncio.sleep(0.02)
         assert not isinstance(plan, StepRefusal), plan
         self.epochs.append(plan.epoch)
+        self.tickets.append((plan.epoch, plan.ticket))
         (step,) = plan.requests
         if step.hit_tokens:
             self.hits += 1
@@ -109,6 +114,7 @@ class Worker:
             self.forward(step, tokens)
             done = await self.tier.commit(self.pool, [commit_item(step, step.stop, True, True,
                                                                   self.block)])
+            self.tickets.append((self.epochs[-1], done.ticket))
             await self.tier.confirm(self.pool, done.ticket)
         finally:
             await self.release(rid)

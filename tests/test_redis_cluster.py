@@ -14,9 +14,11 @@ import asyncio
 import os
 from collections import Counter
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import TypeVar
 
 import pytest
+from redis.asyncio.cluster import ClusterNode
 from redis.crc import key_slot
 from redis.exceptions import (ClusterDownError, ClusterError, MasterDownError, ReadOnlyError,
                               ResponseError, SlotNotCoveredError, TryAgainError)
@@ -28,19 +30,25 @@ from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
 from cachetier.run.redis_cluster import ClusterShape, LocalRedisCluster
 from cachetier.service.server import ServiceSettings, describe
+from index.errors import StorageRollback
 from index.execution import ReplicaAcks
+from index.hashing import chain_hashes
 from index.holder import storage_holder
 from index.identity import PoolView, fresh_epoch
 from index.lifecycle import RequestLifecycle
 from index.records import StepPlan
 from index.redis_link import BoundedCluster, RedisTarget, WriteNotAcknowledged, close, connect
+from index.routing import probe_pools
 from index.placement import ShardPlacement, tag_slot
 from index.store import PrefixIndex, pool_keys
-from tests.cluster_harness import (BLOCK, TINY, TOKEN, assert_no_pins, running_agent,
+from index.tickets import split
+from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, running_agent,
                                    running_service)
-from tests.index_harness import commit_item, new_request, only
+from tests.index_harness import ROOT, commit_item, new_request, only
+from tests.storage_harness import Worker
 
 DOC = [5 + (11 * i) % 997 for i in range(300)]
+T = TypeVar("T")
 BALLAST = 32 << 20  # bytes: more than the kernel buffers of a replication link on loopback
 
 
@@ -156,6 +164,67 @@ async def test_scripts_reload_on_their_own_slot_while_another_shard_is_down():
             await close(redis)
 
 
+class RoundTrips:
+    """Every pipeline and command the cluster client sends to a node, by node port."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: list[int] = []
+        for name in ("execute_pipeline", "execute_command"):
+            real = getattr(ClusterNode, name)
+
+            async def counted(node, *args, _real=real, **kwargs):
+                self.sent.append(node.port)
+                return await _real(node, *args, **kwargs)
+            monkeypatch.setattr(ClusterNode, name, counted)
+
+    async def count(self, call: Awaitable[T]) -> tuple[T, list[int]]:
+        self.sent.clear()
+        result = await call
+        return result, sorted(self.sent)
+
+
+async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_pool(
+        redis_cluster, cluster_client, monkeypatch):
+    """Six pools placed two per shard, each holding a different prefix of one prompt: a route
+    is one pipeline per shard (three round trips, counted at the client's nodes), from the
+    masters or from the replicas (READONLY), and its answers are the pools' own probes; a
+    replica lagging behind a caller's epoch reports no hit, never a rollback."""
+    placement = ShardPlacement(cluster_client, ReplicaAcks())
+    indexes = []
+    for n in range(6):
+        pool = f"route{n}"
+        index = PrefixIndex(cluster_client, pool, TINY, acks=ReplicaAcks(),
+                            tag=await placement.resolve(pool, create=True))
+        await index.create()
+        async with RequestLifecycle(index) as steps:
+            tokens = DOC[:BLOCK * (n + 1) + 1]
+            plan = await steps.plan([new_request("w", tokens, len(tokens), BLOCK)])
+            await steps.finish([commit_item(only(plan), len(tokens), True, True, BLOCK)])
+        indexes.append(index)
+    hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
+    own = [await index.probe(200, hashes) for index in indexes]
+    assert sorted(p.hit_tokens for p in own) == [BLOCK * n for n in range(1, 7)]
+    trips = RoundTrips(monkeypatch)
+    shards = sorted({(await master_of_pool(redis_cluster, i.pool_id)) for i in indexes})
+    routed, sent = await trips.count(probe_pools(indexes, 200, hashes))
+    assert routed == own and sent == shards
+    roles = redis_cluster.roles()
+    async with asyncio.timeout(10):  # until the replicas have the confirms (not waited for) and
+        while True:  # the slot map names them (a replica at offset 0 is left out of it)
+            routed, sent = await trips.count(probe_pools(indexes, 200, hashes, replicas=True))
+            assert all(r.hit_tokens <= o.hit_tokens for r, o in zip(routed, own))
+            if routed == own and all(roles[port] is not None for port in sent):
+                break
+            await asyncio.sleep(0.05)
+    routed, sent = await trips.count(probe_pools(indexes, 200, hashes, replicas=True))
+    assert routed == own and len(sent) == 3 and sorted(roles[port] for port in sent) == shards
+    indexes[0].epoch += 1  # a caller that saw a later epoch: on a replica that is lag
+    routed = await probe_pools(indexes, 200, hashes, replicas=True)
+    assert routed[0].hit_tokens == 0 and routed[1:] == own[1:]
+    with pytest.raises(StorageRollback):  # on the master it is the storage gone back
+        await probe_pools(indexes, 200, hashes)
+
+
 @pytest.mark.parametrize("exc", [
     ClusterDownError("The cluster is down"), MasterDownError("Link with MASTER is down"),
     TryAgainError("Multiple keys request during rehashing of slot"),
@@ -177,8 +246,9 @@ def test_other_script_errors_stay_internal():
 
 
 class Tickets:
-    """Every ticket a caller was given (plans and commits draw from one counter per pool and
-    epoch), and every error: a ticket given twice means a write a caller acted on was lost."""
+    """Every ticket counter a caller was given (plans and commits draw from one counter per
+    pool), by epoch, and every error: a counter given twice means a write a caller acted on was
+    lost (its nonce differs: `index.tickets`)."""
 
     def __init__(self) -> None:
         self.given: list[tuple[int, int]] = []
@@ -204,10 +274,10 @@ async def one_request(tier: CacheTierClient, pool: str, rid: str, tokens: list[i
         plan = await tier.plan(pool, [new_request(rid, tokens, len(tokens), BLOCK)])
         if not isinstance(plan, StepPlan):
             return
-        tickets.given.append((plan.epoch, plan.ticket))
+        tickets.given.append((plan.epoch, split(plan.ticket)[0]))
         op = "commit"
         done = await tier.commit(pool, [commit_item(only(plan), len(tokens), True, True, BLOCK)])
-        tickets.given.append((plan.epoch, done.ticket))
+        tickets.given.append((plan.epoch, split(done.ticket)[0]))
         op = "confirm"
         await tier.confirm(pool, done.ticket)
         tickets.steps += 1
@@ -437,3 +507,102 @@ async def test_the_holder_is_the_slot_masters_and_a_failover_that_lost_writes_mo
         assert await PrefixIndex(redis, "p", TINY).reconcile(PoolView(), moved, 0) == ""
     finally:
         await close(redis)
+
+
+FAILOVER_DOCS = [[900 * (d + 1) + (7 * i + d) % 89 for i in range(120)] for d in range(3)]
+
+
+async def checked_load(worker: Worker, n: int, stop: asyncio.Event, bad: list[str]) -> None:
+    """One scheduler serving prompts that share prefixes (so most plans hit, their bytes
+    checked), retrying what the storage answers retryable, until `stop`."""
+    i = 0
+    while not stop.is_set():
+        tokens = FAILOVER_DOCS[(n + i) % 3][:60 + (7 * i + 11 * n) % 60] + [n, i]
+        try:
+            await worker.serve(f"w{n}-{i}", tokens)
+        except CacheTierError as exc:  # a commit or confirm (plans retry within `serve`)
+            if not exc.retryable:
+                bad.append(f"{type(exc).__name__}: {exc}")
+            code = getattr(exc, "code", type(exc).__name__)
+            worker.retryable[code] = worker.retryable.get(code, 0) + 1
+            await asyncio.sleep(0.02)
+        i += 1
+
+
+def replica_meta(cluster: LocalRedisCluster, port: int, key: str) -> dict[str, int] | None:
+    """The pool's epoch and ticket counter on a replica (READONLY), read directly; None if it
+    holds no pool."""
+    with cluster.node(port).client() as direct:
+        direct.execute_command("READONLY")
+        meta = direct.hmget(key, "epoch", "ticket")
+    return None if None in meta else {"epoch": int(meta[0]), "ticket": int(meta[1])}
+
+
+async def served(workers: list[Worker], count: int) -> None:
+    target = sum(len(w.tickets) for w in workers) + 2 * count
+    async with asyncio.timeout(30):
+        while sum(len(w.tickets) for w in workers) < target:
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["healthy-replica", "frozen-replicas"])
+async def test_a_failover_under_load_serves_no_wrong_byte_and_loses_no_acknowledged_write(
+        own_cluster, freeze):
+    """Three schedulers plan, write the pages (as the inference worker, into the agent's pool),
+    commit, confirm and release prompts sharing prefixes while the pool's master is SIGKILLed:
+    with a healthy replica promoted; or with both its replicas frozen (SIGSTOP) longer than the
+    node timeout behind a ballast (what the master takes meanwhile stays in its output buffer),
+    one of them promoted without it once they resume. Every hit's bytes are checked (restored
+    state, cached MLA pages), no ticket counter is given twice in an epoch (an acknowledged
+    write lost), the pool's counter holds every one given before the failover, and nothing is
+    left pinned once every request is released."""
+    cluster = own_cluster
+    pool, stop, bad = "p", asyncio.Event(), []
+    async with running_service("", redis_cluster=cluster.startup_nodes,
+                               batch_tick_s=0) as service, \
+            running_agent(service.url, pool=pool) as agent:
+        tag = await placed_tag(cluster, pool)
+        master = cluster.master_of_slot(tag_slot(tag))
+        replicas = replicas_of(cluster, master.port)
+        tiers = [CacheTierClient(service.url, token=TOKEN, timeout=15) for _ in range(3)]
+        for tier in tiers:
+            await tier.__aenter__()
+        workers = [Worker(tier, agent.pool, pool, BLOCK, PAGE) for tier in tiers]
+        load = [asyncio.create_task(checked_load(w, n, stop, bad)) for n, w in enumerate(workers)]
+        try:
+            await served(workers, 15)
+            if freeze:
+                for port in replicas:
+                    os.kill(cluster.node(port).pid, signal.SIGSTOP)
+                with master.client() as direct:
+                    direct.set(f"ballast{{{tag}}}", b"x" * BALLAST)
+                await asyncio.sleep(2 * cluster.node_timeout_ms / 1000)
+            before = [t for w in workers for t in w.tickets]
+            hits_before = sum(w.hits for w in workers)
+            os.kill(master.pid, signal.SIGKILL)
+            if freeze:
+                for port in replicas:
+                    os.kill(cluster.node(port).pid, signal.SIGCONT)
+            await asyncio.sleep(0.1)  # what each replica holds, before the service can recover
+            held = {port: replica_meta(cluster, port, pool_keys(pool, tag)[0]) for port in replicas}
+            await asyncio.to_thread(cluster.wait_ready)
+            promoted = cluster.master_of_slot(tag_slot(tag))
+            await served(workers, 15)
+        finally:
+            stop.set()
+            await asyncio.gather(*load)
+            for tier in tiers:
+                await tier.__aexit__(None, None, None)
+    assert promoted.port in replicas and bad == []
+    given = [(epoch, split(ticket)[0]) for w in workers for epoch, ticket in w.tickets]
+    assert sorted(t for t in set(given) if given.count(t) > 1) == [], "a counter given twice"
+    meta = held[promoted.port]
+    assert meta is not None, f"the promoted replica held no pool: {held}, {cluster.roles()}"
+    lost = sorted((e, n) for e, n in {(e, split(t)[0]) for e, t in before}
+                  if e == meta["epoch"] and n > meta["ticket"])
+    assert lost == [], f"{len(lost)} acknowledged tickets lost by the promotion: {lost[:5]}..."
+    hits = sum(w.hits for w in workers)
+    assert hits_before >= 5 and hits >= hits_before + 5, (hits_before, hits)  # both sides checked
+    assert [x for w in workers for x in w.wrong] == []
+    assert sum(sum(w.retryable.values()) for w in workers), "the failover was not seen"
+    await assert_clean(cluster, pool)
