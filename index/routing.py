@@ -37,6 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from index.errors import StorageRollback, UnknownPool, from_reply
 from index.execution import LoadedScript
+from index.identity import PoolView
 from index.prefix import PrefixProbe
 from index.redis_link import BoundedCluster
 from index.scripts import script_source
@@ -66,7 +67,7 @@ async def probe_pools(indexes: Sequence[PrefixIndex], prompt_tokens: int, hashes
             for index, view, reply, replica in zip(indexes, views, replies, on_replica)]
 
 
-def _answer(index: PrefixIndex, view: Any, reply: Any, replica: bool) -> PrefixProbe:
+def _answer(index: PrefixIndex, view: PoolView, reply: Any, replica: bool) -> PrefixProbe:
     if not isinstance(reply, Exception):
         return index.probe_answer(view, reply, replica)
     typed = from_reply(str(reply)) if isinstance(reply, ResponseError) else None

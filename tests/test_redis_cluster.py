@@ -4,8 +4,10 @@ Pools on every shard through one service; scripts reloaded on their own slot whi
 shard is down; a failover under load (a graceful `CLUSTER FAILOVER`, then a SIGKILLed master
 replaced by its healthy replica) answered with retryable errors only, no ticket issued twice and
 no pin left; a failover to replicas that were frozen while the master accepted writes, where only
-the replica acknowledgement (WAIT) keeps the callers from acting on writes the promotion loses.
-The tests that change the topology start their own cluster.
+the replica acknowledgement (WAIT) keeps the callers from acting on writes the promotion loses;
+the same two failovers under load with every hit's bytes checked. The pool's holder is its slot
+master's, and a failover that lost writes moves it. A route is one round trip per shard, from the
+masters or the replicas. The tests that change the topology start their own cluster.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TypeVar
 
 import pytest
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode
 from redis.crc import key_slot
 from redis.exceptions import (ClusterDownError, ClusterError, MasterDownError, ReadOnlyError,
@@ -223,6 +227,34 @@ async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_po
     assert routed[0].hit_tokens == 0 and routed[1:] == own[1:]
     with pytest.raises(StorageRollback):  # on the master it is the storage gone back
         await probe_pools(indexes, 200, hashes)
+
+
+async def test_route_on_one_server_is_one_round_trip_for_every_pool(redis, monkeypatch):
+    """One server is one shard: the probes of every pool go in one pipeline, answers as the
+    pools' own probes (and a node without the script cached gets its source in a second)."""
+    indexes = []
+    for n in range(3):
+        index = PrefixIndex(redis, f"one{n}", TINY)
+        await index.create()
+        async with RequestLifecycle(index) as steps:
+            tokens = DOC[:BLOCK * (n + 1) + 1]
+            plan = await steps.plan([new_request("w", tokens, len(tokens), BLOCK)])
+            await steps.finish([commit_item(only(plan), len(tokens), True, True, BLOCK)])
+        indexes.append(index)
+    hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
+    own = [await index.probe(200, hashes) for index in indexes]
+    await redis.script_flush()
+    sent: list[str] = []
+    for cls, name in ((Pipeline, "execute"), (Redis, "execute_command")):
+        real = getattr(cls, name)
+
+        async def counted(client, *args, _real=real, _name=name, **kwargs):
+            sent.append(_name)
+            return await _real(client, *args, **kwargs)
+        monkeypatch.setattr(cls, name, counted)
+    assert await probe_pools(indexes, 200, hashes) == own and sent == ["execute"] * 2
+    sent.clear()
+    assert await probe_pools(indexes, 200, hashes) == own and sent == ["execute"]
 
 
 @pytest.mark.parametrize("exc", [
