@@ -200,8 +200,9 @@ class PrefixIndex:
     def probe_answer(self, view: PoolView, raw: bytes, replica: bool = False) -> PrefixProbe:
         """`probe.lua`'s reply to a call sent with `view` (`index.routing` sends many at once).
         From the master a reply behind the view is a rollback; from a `replica` it is lag: one
-        in an epoch before the view's speaks of void pages and reports no hit (a replica may
-        shrink a hit, never make one up; a plan on the master decides what is served)."""
+        in an epoch before the view's speaks of void pages and reports no hit. Either way it only
+        advises a router: a plan on the master decides what is served, so no replica's answer
+        ever becomes a hit."""
         reply = _decode_keys(msgpack.unpackb(raw, raw=True))
         if replica and reply["epoch"] < view.epoch:
             return PrefixProbe(self.pool_id, view.epoch, 0, 0)

@@ -137,7 +137,8 @@ async def test_a_late_copy_batch_of_a_voided_epoch_is_refused(redis, redis_url, 
             CacheTierClient(a.url, token=TOKEN) as tier_a, \
             CacheTierClient(b.url, token=TOKEN) as tier_b:
         view = PagedPool.attach(agent.handle())
-        await eventually(lambda: tier_b.stats("p"), lambda s: s.ranks == [0])
+        for tier in (tier_a, tier_b):  # the agent registers with each replica in turn
+            await eventually(lambda: tier.stats("p"), lambda s: s.ranks == [0])
         await serve(tier_a, view, "doc", ZOMBIE)
         old = (await tier_a.stats("p")).epoch
         armed = True
