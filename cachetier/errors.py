@@ -34,6 +34,8 @@ class ErrorCode(enum.StrEnum):
     TRANSFER_FAILED = "transfer_failed"  # a page transfer between agents ended before its last byte
     REDIS_UNAVAILABLE = "redis_unavailable"
     RECOVERING = "recovering"  # the pool's storage went back in time or lost it: starting over
+    LIMIT = "limit"  # a request over one of the service's limits, named in the message
+    CAPACITY = "capacity"  # the index's storage is full (Redis maxmemory): retry later
     CONNECTION_LOST = "connection_lost"
     TIMEOUT = "timeout"
     INTERNAL = "internal"
@@ -114,6 +116,14 @@ class PeerClosed(ConnectionLost):
     """The peer closed the connection between two frames: the normal end of a connection."""
 
 
+class IdleTimeout(CacheTierError):
+    """The service closes a connection that sent nothing for its idle timeout (with nothing in
+    flight); the client's next call connects again."""
+
+    code = ErrorCode.CONNECTION_LOST
+    retryable = True
+
+
 class RequestTimeout(CacheTierError, TimeoutError):
     code = ErrorCode.TIMEOUT
     retryable = True
@@ -166,6 +176,28 @@ class TransferFailed(CacheTierError):
     """A transfer between agents did not deliver every byte: what it wrote is not valid data."""
 
     code = ErrorCode.TRANSFER_FAILED
+    retryable = True
+
+
+class LimitExceeded(CacheTierError):
+    """A request over one of the service's limits (`cachetier.service.limits`); the message
+    starts with the limit's name. Not retryable when the request itself is too big (the caller
+    must split it), retryable when it is over a quota that waiting frees (its own releases, a
+    rate)."""
+
+    code = ErrorCode.LIMIT
+
+    def __init__(self, limit: str, message: str, *, retryable: bool) -> None:
+        super().__init__(f"limit {limit}: {message}")
+        self.limit = limit
+        self.retryable = retryable  # type: ignore[misc]  # per instance
+
+
+class StorageFull(CacheTierError):
+    """The index's Redis refused a write at its `maxmemory`: nothing was written; the same call
+    may succeed once requests are released or pools evicted."""
+
+    code = ErrorCode.CAPACITY
     retryable = True
 
 

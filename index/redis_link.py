@@ -9,8 +9,12 @@ script runs whole on the master of its pool's slot, whichever shard that is.
 
 `is_transient` names the failures of the storage rather than of the call: a node down or
 failing over, a slot moving, a master refusing writes while it has no replica, a write no
-replica acknowledged in time. The same call may succeed once the cluster has settled, so the
-service answers them retryable.
+replica acknowledged in time, a server busy running a script. The same call may succeed once
+the cluster has settled, so the service answers them retryable. `is_full` names a write refused
+at `maxmemory` (the servers the project starts run with `noeviction`: Redis never drops index
+keys on its own, it refuses the write). A script is refused at its first write only, before it
+has written anything (Redis lets a script that has written go on past `maxmemory`), so a
+refused script changed nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ from typing import Any, TypeAlias
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import (AskError, ClusterDownError, ClusterError, RedisClusterException,
-                              ReadOnlyError, RedisError, ResponseError, TryAgainError)
+from redis.exceptions import (AskError, ClusterDownError, ClusterError, OutOfMemoryError,
+                              RedisClusterException, ReadOnlyError, RedisError, ResponseError,
+                              TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 RedisClient: TypeAlias = "Redis | BoundedCluster"
 
 _SPARE_CONNECTIONS = 8  # per node, beyond the bound: topology refreshes run beside the calls
-_REFUSED_WRITES = ("NOREPLICAS", "READONLY")  # a master without replicas, a demoted master
+# a master without replicas, a demoted master, a server busy with a long script (another
+# caller's, or a slow one: it answers every other client BUSY until the script ends)
+_REFUSED_WRITES = ("NOREPLICAS", "READONLY", "BUSY")
 
 
 class WriteNotAcknowledged(RedisError):
@@ -151,3 +158,8 @@ def is_transient(exc: BaseException) -> bool:
                         WriteNotAcknowledged)):
         return True
     return isinstance(exc, ResponseError) and any(code in str(exc) for code in _REFUSED_WRITES)
+
+
+def is_full(exc: BaseException) -> bool:
+    """Whether `exc` is Redis refusing a command at its `maxmemory` (see the module docstring)."""
+    return isinstance(exc, OutOfMemoryError)

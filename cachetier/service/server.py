@@ -34,11 +34,12 @@ from redis.exceptions import RedisError
 
 from cachetier.config import Config
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
-                              ErrorInfo, HandshakeRequired, Unauthorized,
-                              VersionMismatch, error_info)
+                              ErrorInfo, HandshakeRequired, LimitExceeded, StorageFull,
+                              Unauthorized, VersionMismatch, error_info)
 from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
+from cachetier.service.limits import ClientQuota, ServiceLimits, check_size
 from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.recovery import PoolRecovery
@@ -57,7 +58,8 @@ from index.lifecycle import RequestLifecycle
 from index.placement import ShardPlacement
 from index.prefix import PinnedPrefix
 from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
-from index.redis_link import RedisClient, RedisTarget, WriteNotAcknowledged, is_transient
+from index.redis_link import (RedisClient, RedisTarget, WriteNotAcknowledged, is_full,
+                              is_transient)
 from index.redis_link import close as close_redis
 from index.redis_link import connect as connect_redis
 from index.routing import probe_pools
@@ -101,6 +103,7 @@ class ServiceSettings:
     redis_ack_timeout_ms: int = 100
     # `route` reads its probes on the shards' replicas (`index.routing`); a cluster only
     route_from_replicas: bool = False
+    limits: ServiceLimits = field(default_factory=ServiceLimits)  # per connection and call
 
     def redis_target(self) -> RedisTarget:
         bounds = {"max_connections": self.redis_connections, "wait_s": self.redis_wait_s}
@@ -127,6 +130,8 @@ def describe(exc: BaseException) -> ErrorInfo:
     """The error frame for any failure of a request: index errors keep their `retryable`."""
     if isinstance(exc, CacheIndexError):
         return ErrorInfo(_INDEX_CODES.get(type(exc), ErrorCode.INTERNAL), str(exc), exc.retryable)
+    if is_full(exc):  # Redis at its maxmemory refused the write (`noeviction`)
+        return StorageFull(f"redis: {exc}").info()
     if is_transient(exc):  # a server down, a failover, a write no replica confirmed in time
         return ErrorInfo(ErrorCode.REDIS_UNAVAILABLE, f"redis: {exc}", True)
     info = error_info(exc)
@@ -157,6 +162,7 @@ class CacheTierService:
         self._server: asyncio.Server | None = None
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
+        self._handshaking = 0  # connections whose hello is not accepted yet
         self._losses: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._registering = asyncio.Lock()  # registrations are rare: one at a time, all pools
@@ -241,13 +247,20 @@ class CacheTierService:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
-        stream = FramedStream(reader, writer, self.settings.max_frame)
+        limits = self.settings.limits
+        # nothing is buffered or decoded for a peer that has not authenticated beyond a frame
+        # that can only be a hello (a 16 MiB one of empty arrays once took the service to 1.5 GB)
+        stream = FramedStream(reader, writer, limits.hello_max_frame)
         try:
-            hello = await self._handshake(stream)
+            hello = await self._admitted(stream)
+            stream.max_frame = self.settings.max_frame
             if hello.role == "agent":
                 await self._serve_agent(stream)
             else:
-                await serve_requests(stream, CLIENT_OPS, self._dispatch, describe)
+                quota = ClientQuota(limits, self.settings.request_lease_s)
+                await serve_requests(stream, CLIENT_OPS,
+                                     functools.partial(self._client_call, quota), describe,
+                                     limit=limits.calls_in_flight, idle_s=limits.idle_timeout_s)
         except (CacheTierError, OSError, TimeoutError) as exc:
             logger.debug("connection ended: %s", exc)
         except asyncio.CancelledError:
@@ -255,6 +268,26 @@ class CacheTierService:
         finally:
             self._connections.discard(task)
             await stream.close()
+
+    async def _admitted(self, stream: FramedStream) -> Hello:
+        """The hello of a connection within the connection limits (`limits`); one past them is
+        answered a retryable `LimitExceeded` and closed before anything is read."""
+        limits = self.settings.limits
+        refusal = None
+        if len(self._connections) > limits.max_connections:
+            refusal = LimitExceeded("max_connections", f"{limits.max_connections} connections "
+                                    "open", retryable=True)
+        elif self._handshaking >= limits.max_handshaking:
+            refusal = LimitExceeded("max_handshaking", f"{limits.max_handshaking} connections "
+                                    "not authenticated yet", retryable=True)
+        if refusal is not None:
+            await send_error(stream, None, refusal, describe)
+            raise refusal
+        self._handshaking += 1
+        try:
+            return await self._handshake(stream)
+        finally:
+            self._handshaking -= 1
 
     async def _handshake(self, stream: FramedStream) -> Hello:
         """The first frame must be a hello with our version and the token; any failure is
@@ -288,6 +321,15 @@ class CacheTierService:
         if not hmac.compare_digest(hello.token.encode(), self.settings.token.encode()):
             raise Unauthorized("bad token")
         return hello
+
+    async def _client_call(self, quota: ClientQuota, message: Any) -> Any:
+        """A client's call within its limits (`limits`): sizes, then quotas, then the call."""
+        pool = getattr(message, "pool", None)
+        check_size(message, self.settings.limits, self.config_for(pool) if pool else self.config)
+        quota.admit(message)
+        result = await self._dispatch(message)
+        quota.account(message, result)
+        return result
 
     async def _dispatch(self, message: Any) -> Any:
         try:

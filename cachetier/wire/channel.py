@@ -19,7 +19,7 @@ import itertools
 from typing import Any, Awaitable, Callable, Mapping
 
 from cachetier.errors import (BadFrame, BrokenStream, CacheTierError, ConnectionLost, ErrorInfo,
-                              PeerClosed, RemoteError, RequestTimeout, TooLarge)
+                              IdleTimeout, PeerClosed, RemoteError, RequestTimeout, TooLarge)
 from cachetier.wire.framing import FramedStream
 from cachetier.wire.protocol import (Reply, error_frame, ok_frame, parse_reply, parse_request,
                                      request_frame, request_id, result_of)
@@ -116,27 +116,64 @@ _OVER = object()  # `_next_frame`: the connection is over (a frame may decode to
 
 
 async def serve_requests(stream: FramedStream, ops: Mapping[str, type], handle: Handle,
-                         describe: Describe, *, limit: int = 64) -> None:
+                         describe: Describe, *, limit: int = 64,
+                         idle_s: float | None = None) -> None:
     """Answer requests until the peer leaves or breaks the stream; returns once every request
-    already read has been answered (or its answer could not be delivered)."""
+    already read has been answered (or its answer could not be delivered).
+
+    At most `limit` requests are in flight, and no frame is read while the replies already
+    written wait in the transport's buffer past its high-water mark: a peer that does not read
+    its replies stops being read, so it holds a bounded amount of the service's memory and time.
+    A connection with no request in flight that sends no whole frame for `idle_s` is told so and
+    closed (a frame begun and never finished counts as nothing sent)."""
     slots = asyncio.Semaphore(limit)  # bounds the memory one connection can hold
     tasks: set[asyncio.Task[None]] = set()
+    idle = _IdleDeadline(idle_s, tasks)
     try:
         while True:
             await slots.acquire()
-            frame = await _next_frame(stream, describe)
+            await stream.writer.drain()  # backpressure: the peer reads its replies first
+            frame = await idle.bounded(_next_frame(stream, describe))
             if frame is _OVER:
                 break
             task = asyncio.create_task(_answer(stream, frame, ops, handle, describe))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             task.add_done_callback(lambda _: slots.release())
+            task.add_done_callback(lambda _: idle.maybe_idle())
+    except TimeoutError:
+        await send_error(stream, None, IdleTimeout(f"no request for {idle_s:g} s: closing"),
+                         describe)
     except asyncio.CancelledError:
         for task in tasks:
             task.cancel()
         raise
     finally:
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _IdleDeadline:
+    """The deadline of the frame being read: `idle_s` from when the last request in flight was
+    answered (or from the read's start, with none in flight); none while a request is in flight."""
+
+    def __init__(self, idle_s: float | None, tasks: set[asyncio.Task[None]]) -> None:
+        self.idle_s = idle_s
+        self.tasks = tasks
+        self._timeout: asyncio.Timeout | None = None
+
+    async def bounded(self, read: Awaitable[Any]) -> Any:
+        if self.idle_s is None:
+            return await read
+        async with asyncio.timeout(None) as self._timeout:
+            self.maybe_idle()
+            try:
+                return await read
+            finally:
+                self._timeout = None
+
+    def maybe_idle(self) -> None:
+        if self._timeout is not None and self.idle_s is not None and not self.tasks:
+            self._timeout.reschedule(asyncio.get_running_loop().time() + self.idle_s)
 
 
 async def _next_frame(stream: FramedStream, describe: Describe) -> Any:

@@ -1,0 +1,248 @@
+"""What one client may ask of the service, so that no client starves the others.
+
+Two kinds of limits, both answered `LimitExceeded` (code `limit`, the limit's name first in the
+message), checked before any work is done for the request:
+
+- *Sizes* (`check_size`): a request that is too big as sent (a batch, an id list, a prompt, its
+  hash bytes) is refused, not retryable: sending it again cannot succeed, the caller must split
+  it. Every operation has one, `release` included (5 M ids in one call kept Redis busy for
+  seconds, every other client answered BUSY meanwhile).
+- *Quotas* (`ClientQuota`, one per client connection): requests held (planned and not released),
+  the pages they pin and their prompts' tokens (Redis holds their hashes meanwhile: 30 unreleased
+  10^7-token prompts grew it by 556 MB), and the rate of `stats`. Over a quota is retryable: the
+  client's own releases, or time, free it.
+
+The quota's table of held requests is connection state like `fleet.PoolAgents`: it is kept from
+the replies this service sent, so it is an upper bound of what the client holds in Redis (a
+request the service itself released after a failed step never enters it; one the client never
+releases leaves it when its lease runs out, as the reaper releases it; an epoch bump of its pool
+voids the older epochs' entries). It is bounded by the quota itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachetier.config import Config
+from cachetier.errors import LimitExceeded
+from cachetier.wire.protocol import (Commit, Handoff, Pin, Plan, PlanReply, Release, Route,
+                                     Stats)
+from index.prefix import PinnedPrefix
+from index.records import ReleaseResult, RequestPlan
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Every limit of the service; `serve --limit NAME=VALUE` sets one."""
+
+    # connections
+    hello_max_frame: int = 4096  # bytes, for every frame before the hello is accepted
+    max_connections: int = 1024  # clients and agents together; past it a connection is refused
+    max_handshaking: int = 128  # connections not authenticated yet (each has its deadline)
+    idle_timeout_s: float | None = 600.0  # a connection with no call in flight; None: never
+    calls_in_flight: int = 64  # per connection; past it the service stops reading from it
+    # sizes of one call (not retryable)
+    max_release_ids: int = 4096
+    max_prompt_tokens: int = 1 << 20  # per request of a plan, a pin, a route or a hand-off
+    max_hash_bytes: int = 16 << 20  # per call, every request's hashes together
+    max_rid_bytes: int = 256
+    max_route_pools: int = 64
+    # quotas of one connection (retryable)
+    max_held_requests: int = 4096  # planned or pinned and not released
+    max_pinned_pages: int = 1 << 16  # pages those requests hold (cached, allocated, restored)
+    max_held_tokens: int = 1 << 24  # their prompts' tokens (Redis keeps their hashes meanwhile)
+    stats_per_s: float = 20.0  # `stats` calls, with a burst of as many
+
+    def __post_init__(self) -> None:
+        for name in ("hello_max_frame", "max_connections", "max_handshaking", "calls_in_flight",
+                     "max_release_ids", "max_prompt_tokens", "max_hash_bytes", "max_rid_bytes",
+                     "max_route_pools", "max_held_requests", "max_pinned_pages",
+                     "max_held_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"limit {name} must be >= 1")
+        if self.stats_per_s <= 0 or (self.idle_timeout_s is not None and self.idle_timeout_s <= 0):
+            raise ValueError("stats_per_s and idle_timeout_s must be > 0")
+
+
+def _too_big(limit: str, what: str, size: int, most: int) -> LimitExceeded:
+    return LimitExceeded(limit, f"{what} is {size}, at most {most} per call: split it",
+                         retryable=False)
+
+
+def check_size(msg: Any, limits: ServiceLimits, config: Config) -> None:
+    """Refuse a call too big as sent (see the module docstring); `config` is its pool's."""
+    if isinstance(msg, Plan):
+        _check_count("max_batch", "the plan's batch", len(msg.requests), config.cache.max_batch)
+        for r in msg.requests:
+            _check_rid(r.rid, limits)
+            if r.prompt_tokens is not None:
+                _check_prompt(r.prompt_tokens, limits)
+        _check_hashes(sum(len(r.hashes or b"") for r in msg.requests), limits)
+    elif isinstance(msg, Commit):
+        _check_count("max_batch", "the commit's batch", len(msg.items), config.cache.max_batch)
+    elif isinstance(msg, Release):
+        _check_count("max_release_ids", "the release's id list", len(msg.rids),
+                     limits.max_release_ids)
+    elif isinstance(msg, Pin):
+        _check_rid(msg.reader, limits)
+        _check_prompt(msg.prompt_tokens, limits)
+        _check_hashes(len(msg.hashes), limits)
+    elif isinstance(msg, (Route, Handoff)):
+        if isinstance(msg, Route):
+            _check_count("max_route_pools", "the route's pool list", len(msg.pools),
+                         limits.max_route_pools)
+        _check_prompt(msg.prompt_tokens, limits)
+        _check_hashes(len(msg.hashes), limits)
+
+
+def _check_count(limit: str, what: str, size: int, most: int) -> None:
+    if size > most:
+        raise _too_big(limit, what, size, most)
+
+
+def _check_rid(rid: str, limits: ServiceLimits) -> None:
+    size = len(rid.encode())
+    if size > limits.max_rid_bytes:
+        raise _too_big("max_rid_bytes", "a request id's length in bytes", size,
+                       limits.max_rid_bytes)
+
+
+def _check_prompt(tokens: int, limits: ServiceLimits) -> None:
+    if tokens > limits.max_prompt_tokens:
+        raise LimitExceeded("max_prompt_tokens", f"a prompt of {tokens} tokens, at most "
+                            f"{limits.max_prompt_tokens} per request", retryable=False)
+
+
+def _check_hashes(size: int, limits: ServiceLimits) -> None:
+    if size > limits.max_hash_bytes:
+        raise _too_big("max_hash_bytes", "the call's hash bytes", size, limits.max_hash_bytes)
+
+
+@dataclass
+class _Held:
+    epoch: int
+    pages: int
+    tokens: int
+    renewed: float
+
+
+@dataclass
+class ClientQuota:
+    """One connection's quotas (see the module docstring); `admit` before a call, `account`
+    with its result. `lease_s` is the service's request lease (None: requests never expire)."""
+
+    limits: ServiceLimits
+    lease_s: float | None = None
+    clock: Callable[[], float] = time.monotonic
+    _held: dict[tuple[str, str], _Held] = field(default_factory=dict)  # (pool, rid)
+    _epochs: dict[str, int] = field(default_factory=dict)  # the newest epoch seen per pool
+    _pages: int = 0
+    _tokens_held: int = 0
+    _stats_tokens: float = -1.0  # stats calls the bucket holds; -1: full, not started
+    _filled: float = 0.0
+
+    @property
+    def held_requests(self) -> int:
+        return len(self._held)
+
+    @property
+    def pinned_pages(self) -> int:
+        return self._pages
+
+    @property
+    def held_tokens(self) -> int:
+        return self._tokens_held
+
+    def admit(self, msg: Any) -> None:
+        if isinstance(msg, Stats):
+            self._take_stats_token()
+        elif isinstance(msg, Plan):
+            new = [r for r in msg.requests if r.is_new and (msg.pool, r.rid) not in self._held]
+            self._check_holdings(len(new), sum(r.prompt_tokens or 0 for r in new))
+        elif isinstance(msg, Pin) and (msg.pool, msg.reader) not in self._held:
+            self._check_holdings(1, msg.prompt_tokens)
+
+    def account(self, msg: Any, result: Any) -> None:
+        if isinstance(msg, Plan) and isinstance(result, PlanReply) and result.plan is not None:
+            self._new_epoch(msg.pool, result.plan.epoch)
+            tokens = {r.rid: r.prompt_tokens for r in msg.requests if r.prompt_tokens}
+            for r in result.plan.requests:
+                held = self._held.get((msg.pool, r.rid))
+                self._hold(msg.pool, r.rid, result.plan.epoch, _plan_pages(r),
+                           tokens.get(r.rid, held.tokens if held else 0))
+        elif isinstance(msg, Pin) and isinstance(result, PinnedPrefix):
+            self._new_epoch(msg.pool, result.epoch)
+            if result.hit_tokens:
+                pages = sum(map(len, result.mla_pages)) + len(result.checkpoint_pages)
+                self._hold(msg.pool, msg.reader, result.epoch, pages, 0)
+        elif isinstance(msg, Release) and isinstance(result, ReleaseResult):
+            for rid in msg.rids:
+                self._drop((msg.pool, rid))
+
+    def _check_holdings(self, new: int, tokens: int) -> None:
+        if not new:
+            return  # continuing requests: the quota bounds what a client starts
+        limits = self.limits
+        if len(self._held) + new > limits.max_held_requests \
+                or self._pages >= limits.max_pinned_pages \
+                or self._tokens_held + tokens > limits.max_held_tokens:
+            self._expire()  # only then: the walk costs one step per request held
+        if len(self._held) + new > self.limits.max_held_requests:
+            raise LimitExceeded("max_held_requests", f"{len(self._held)} requests held, "
+                                f"{new} more asked, at most {self.limits.max_held_requests}: "
+                                "release some first", retryable=True)
+        if self._pages >= self.limits.max_pinned_pages:
+            raise LimitExceeded("max_pinned_pages", f"{self._pages} pages pinned, at most "
+                                f"{self.limits.max_pinned_pages}: release some first",
+                                retryable=True)
+        if self._tokens_held + tokens > limits.max_held_tokens:
+            raise LimitExceeded("max_held_tokens", f"{self._tokens_held} prompt tokens held, "
+                                f"{tokens} more asked, at most {limits.max_held_tokens}: "
+                                "release some first", retryable=True)
+
+    def _take_stats_token(self) -> None:
+        now, rate = self.clock(), self.limits.stats_per_s
+        burst = max(1.0, rate)
+        if self._stats_tokens < 0:
+            self._stats_tokens = burst
+        else:
+            self._stats_tokens = min(burst, self._stats_tokens + (now - self._filled) * rate)
+        self._filled = now
+        if self._stats_tokens < 1:
+            raise LimitExceeded("stats_per_s", f"at most {rate:g} stats calls per second "
+                                "per connection", retryable=True)
+        self._stats_tokens -= 1
+
+    def _hold(self, pool: str, rid: str, epoch: int, pages: int, tokens: int) -> None:
+        self._drop((pool, rid))
+        self._held[(pool, rid)] = _Held(epoch, pages, tokens, self.clock())
+        self._pages += pages
+        self._tokens_held += tokens
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._pages -= held.pages
+            self._tokens_held -= held.tokens
+
+    def _new_epoch(self, pool: str, epoch: int) -> None:
+        """An epoch bump voided every request of the pool's older epochs."""
+        if epoch > self._epochs.get(pool, epoch):
+            for key in [k for k, h in self._held.items() if k[0] == pool and h.epoch < epoch]:
+                self._drop(key)
+        self._epochs[pool] = max(epoch, self._epochs.get(pool, 0))
+
+    def _expire(self) -> None:
+        """Requests not stepped for a lease are the reaper's: no longer the client's."""
+        if self.lease_s is None:
+            return
+        deadline = self.clock() - self.lease_s
+        for key in [k for k, h in self._held.items() if h.renewed < deadline]:
+            self._drop(key)
+
+
+def _plan_pages(r: RequestPlan) -> int:
+    return sum(map(len, r.mla_pages)) + len(r.state_pages) + len(r.checkpoint_pages)

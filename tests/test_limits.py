@@ -1,0 +1,263 @@
+"""Nobody starves the others (issue 15): the service's limits before and after the hello, its
+quotas per client, and Redis failures that waiting cures answered retryable.
+
+Each test is one red-team finding: a large frame before the hello (once decoded on the event
+loop: 251 MB to 1.5 GB, every client blocked for seconds), idle and half-sent connections that
+stayed open, `release` of millions of ids, prompts and hashes without bound, a client holding
+requests and pins without bound, `stats` pipelined without reading, Redis BUSY answered as a
+non-retryable `internal`, Redis at its `maxmemory`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+from redis.asyncio import Redis
+
+from cachetier.client import CacheTierClient
+from cachetier.errors import ErrorCode, RemoteError
+from cachetier.service.limits import ServiceLimits
+from cachetier.wire.framing import HEADER, encode_frame
+from cachetier.wire.protocol import PROTOCOL_VERSION, Hello, Stats, parse_reply, request_frame
+from index.hashing import hash_len
+from index.records import StepPlan, StepRequest
+from tests.cluster_harness import BLOCK, TINY, TOKEN, running_agent, running_service
+from tests.index_harness import new_request
+
+HASH = hash_len(TINY.cache.hash_algo)
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (the service runs in it)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+class Raw:
+    """A connection at the byte level: what an attacker sends, and what comes back."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, url: str) -> AsyncIterator[Raw]:
+        host, port = url.removeprefix("tcp://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            yield cls(reader, writer)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def send(self, message: Any, rid: int) -> None:
+        self.writer.write(encode_frame(request_frame(rid, message)))
+        await self.writer.drain()
+
+    async def hello(self) -> None:
+        await self.send(Hello(PROTOCOL_VERSION, TOKEN), 0)
+        assert (await self.reply()).ok
+
+    async def reply(self, timeout: float = 5.0) -> Any:
+        async with asyncio.timeout(timeout):
+            (size,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
+            return parse_reply(msgpack.unpackb(await self.reader.readexactly(size)))
+
+    async def closed(self, timeout: float = 5.0) -> bool:
+        """Whether the service closed the connection (after any frames it sent first)."""
+        async with asyncio.timeout(timeout):
+            with contextlib.suppress(OSError):  # reset, or a write of ours it refused
+                while await self.reader.read(65536):
+                    pass
+        return True
+
+
+async def test_before_the_hello_a_large_frame_is_refused_unread_and_memory_stays_flat(
+        redis, redis_url):
+    async with running_service(redis_url) as service, \
+            CacheTierClient(service.url, token=TOKEN, timeout=5) as other:
+        await other.health()
+        before = rss_bytes()
+        body = b"\xdd" + (8 << 20).to_bytes(4, "big") + b"\x90" * (8 << 20)  # 8 M empty arrays
+        async with Raw.open(service.url) as raw:
+            raw.writer.write(HEADER.pack(len(body)))
+            await raw.writer.drain()
+            reply = await raw.reply()
+            assert not reply.ok and reply.error.code == ErrorCode.BROKEN_STREAM, reply
+            assert "outside 1..4096" in reply.error.message, reply
+            with contextlib.suppress(OSError):  # the body is never read: sending it may fail
+                raw.writer.write(body)
+                await raw.writer.drain()
+            assert await raw.closed()
+        t0 = time.monotonic()
+        await other.health()  # the other client was never held up
+        assert time.monotonic() - t0 < 0.5
+        assert rss_bytes() - before < 32 << 20, (before, rss_bytes())
+
+
+async def test_idle_half_sent_and_surplus_connections_are_closed(redis, redis_url):
+    limits = ServiceLimits(idle_timeout_s=0.3, max_handshaking=2, max_connections=3)
+    async with running_service(redis_url, limits=limits, handshake_timeout_s=0.3) as service:
+        url = service.url
+        async with Raw.open(url) as idle, Raw.open(url) as half:
+            await idle.hello()
+            await half.hello()
+            half.writer.write(HEADER.pack(100)[:2])  # half a header, then nothing
+            t0 = time.monotonic()
+            for conn in (idle, half):
+                reply = await conn.reply(timeout=2)
+                assert reply.error.code == ErrorCode.CONNECTION_LOST and reply.error.retryable
+                assert "no request for 0.3 s" in reply.error.message, reply
+                assert await conn.closed(timeout=1)
+            assert 0.25 < time.monotonic() - t0 < 1.5
+        # a call in flight is not idle time; a client the service closed connects again
+        async with CacheTierClient(url, token=TOKEN, timeout=5) as tier:
+            await tier.health()
+            await asyncio.sleep(0.5)
+            assert (await tier.health()).redis
+        # before the hello: at most `max_handshaking` at a time, each within its deadline
+        async with Raw.open(url) as a, Raw.open(url) as b:
+            await asyncio.sleep(0.05)
+            async with Raw.open(url) as c:
+                reply = await c.reply()
+                assert reply.error.code == ErrorCode.LIMIT and reply.error.retryable, reply
+                assert reply.error.message.startswith("limit max_handshaking"), reply
+            for conn in (a, b):
+                assert (await conn.reply(timeout=2)).error.code == ErrorCode.HANDSHAKE
+        # at most `max_connections` open
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(limits.max_connections):
+                await (await stack.enter_async_context(Raw.open(url))).hello()
+            async with Raw.open(url) as d:
+                reply = await d.reply()
+                assert reply.error.message.startswith("limit max_connections"), reply
+
+
+def assert_limit(exc: pytest.ExceptionInfo[RemoteError], limit: str, retryable: bool) -> None:
+    error = exc.value
+    assert (error.code, error.retryable) == (ErrorCode.LIMIT, retryable), error
+    assert str(error).startswith(f"limit {limit}:"), error
+
+
+async def redis_calls(redis: Redis) -> dict[str, int]:
+    """Calls of each command so far, the INFO that asks left out."""
+    stats = await redis.info("commandstats")
+    return {name: value["calls"] for name, value in stats.items() if name != "cmdstat_info"}
+
+
+async def test_calls_too_big_are_refused_before_any_work(redis, redis_url):
+    limits = ServiceLimits(max_prompt_tokens=4096, max_hash_bytes=64 * HASH)
+    async with running_service(redis_url, limits=limits) as service, \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
+        commands = await redis_calls(redis)
+        # no pool "p" exists: each refusal comes before the pool is even looked up
+        with pytest.raises(RemoteError) as exc:
+            await tier.release("p", [f"r{i}" for i in range(limits.max_release_ids + 1)])
+        assert_limit(exc, "max_release_ids", retryable=False)
+        with pytest.raises(RemoteError) as exc:
+            await tier.plan("p", [StepRequest("r", 16, 5000, b"\0" * (5000 // BLOCK * HASH))])
+        assert_limit(exc, "max_prompt_tokens", retryable=False)
+        many = [new_request(f"r{i}", list(range(48)), 16, BLOCK) for i in range(22)]  # 66 hashes
+        with pytest.raises(RemoteError) as exc:
+            await tier.plan("p", many)
+        assert_limit(exc, "max_hash_bytes", retryable=False)
+        too_many = [new_request(f"r{i}", [1], 1, BLOCK) for i in range(TINY.cache.max_batch + 1)]
+        with pytest.raises(RemoteError) as exc:
+            await tier.plan("p", too_many)
+        assert_limit(exc, "max_batch", retryable=False)
+        with pytest.raises(RemoteError) as exc:
+            await tier.route([f"p{i}" for i in range(limits.max_route_pools + 1)], 0, b"")
+        assert_limit(exc, "max_route_pools", retryable=False)
+        with pytest.raises(RemoteError) as exc:
+            await tier.pin("p", "x" * 257, 0, b"")
+        assert_limit(exc, "max_rid_bytes", retryable=False)
+        assert await redis_calls(redis) == commands  # Redis never saw any of them
+
+
+async def test_quotas_per_client_held_requests_pins_and_stats_rate(redis, redis_url):
+    limits = ServiceLimits(max_held_requests=3, max_pinned_pages=1 << 16, stats_per_s=10)
+    async with running_service(redis_url, limits=limits) as service, running_agent(service.url), \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as tier, \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as other:
+        doc = list(range(100, 164))
+        plan = await tier.plan("p", [new_request(f"a{i}", doc, 16, BLOCK) for i in range(3)])
+        assert isinstance(plan, StepPlan)
+        with pytest.raises(RemoteError) as exc:
+            await tier.plan("p", [new_request("a3", doc, 16, BLOCK)])
+        assert_limit(exc, "max_held_requests", retryable=True)
+        assert isinstance(await other.plan("p", [new_request("b0", doc, 16, BLOCK)]), StepPlan)
+        await tier.release("p", ["a0"])
+        assert isinstance(await tier.plan("p", [new_request("a3", doc, 16, BLOCK)]), StepPlan)
+        await tier.release("p", ["a1", "a2", "a3"])
+        await other.release("p", ["b0"])
+        # pinned pages: a client over its pages may continue its requests, not start new ones
+        async with running_service(redis_url, limits=ServiceLimits(max_pinned_pages=2)) as small, \
+                running_agent(small.url), \
+                CacheTierClient(small.url, token=TOKEN, timeout=10) as pinned:
+            first = await pinned.plan("p", [new_request("c0", doc, 16, BLOCK)])
+            assert isinstance(first, StepPlan)
+            with pytest.raises(RemoteError) as exc:
+                await pinned.plan("p", [new_request("c1", doc, 16, BLOCK)])
+            assert_limit(exc, "max_pinned_pages", retryable=True)
+            await pinned.release("p", ["c0"])
+            assert isinstance(await pinned.plan("p", [new_request("c1", doc, 16, BLOCK)]),
+                              StepPlan)
+            await pinned.release("p", ["c1"])
+        # stats pipelined without reading: a burst of 10 answered, the rest refused, retryable
+        async with Raw.open(service.url) as raw:
+            await raw.hello()
+            for rid in range(1, 201):
+                raw.writer.write(encode_frame(request_frame(rid, Stats("p"))))
+            await raw.writer.drain()
+            replies = [await raw.reply() for _ in range(200)]
+        answered = [r for r in replies if r.ok]
+        refused = [r.error for r in replies if not r.ok]
+        assert 10 <= len(answered) <= 15, len(answered)
+        assert {(e.code, e.retryable) for e in refused} == {(ErrorCode.LIMIT, True)}
+        assert all(e.message.startswith("limit stats_per_s") for e in refused)
+        assert (await other.stats("p")).requests == 0  # another client's rate is its own
+
+
+@contextlib.asynccontextmanager
+async def redis_config(redis: Redis, **values: Any) -> AsyncIterator[None]:
+    """CONFIG SET for the block (the session's redis-server is shared: always set back)."""
+    before = {name: (await redis.config_get(name))[name] for name in values}
+    try:
+        for name, value in values.items():
+            await redis.config_set(name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            await redis.config_set(name, value)
+
+
+async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
+    async with running_service(redis_url) as service, running_agent(service.url), \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
+        doc = list(range(200, 264))
+        # a script running past busy-reply-threshold: Redis answers every other client BUSY
+        async with redis_config(redis, **{"busy-reply-threshold": 50}):
+            spin = "local t = redis.call('TIME') repeat local n = redis.call('TIME') " \
+                   "until (n[1] - t[1]) * 1000000 + n[2] - t[2] > 600000 return 1"
+            slow = asyncio.create_task(Redis.from_url(redis_url).eval(spin, 0))
+            await asyncio.sleep(0.2)
+            with pytest.raises(RemoteError) as exc:
+                await tier.plan("p", [new_request("busy", doc, 16, BLOCK)])
+            assert (exc.value.code, exc.value.retryable) == (ErrorCode.REDIS_UNAVAILABLE, True)
+            assert "BUSY" in str(exc.value), exc.value
+            await slow
+        # Redis at its maxmemory, noeviction: the write is refused, retryable, and names it
+        async with redis_config(redis, maxmemory=1, **{"maxmemory-policy": "noeviction"}):
+            with pytest.raises(RemoteError) as exc:
+                await tier.plan("p", [new_request("full", doc, 16, BLOCK)])
+            assert (exc.value.code, exc.value.retryable) == (ErrorCode.CAPACITY, True), exc.value
+        assert isinstance(await tier.plan("p", [new_request("ok", doc, 16, BLOCK)]), StepPlan)
+        await tier.release("p", ["ok"])
