@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -10,6 +11,10 @@ import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
 
+from cachetier.config import PRESETS
+from cachetier.run.cluster import Cluster, ClusterSettings
+from cachetier.run.redis_cluster import ClusterNode, ClusterShape
+from cachetier.run.redis_memory import index_maxmemory
 from cachetier.run.servers import MosquittoServer, RedisServer
 
 
@@ -28,8 +33,27 @@ def test_redis_starts_answers_and_stops(tcp: bool) -> None:
         assert client.ping()
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "no"}
+        # bounded, and refusing writes at the bound rather than evicting index keys
+        assert client.config_get("maxmemory") == {"maxmemory": str(1 << 30)}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         client.close()
     assert_gone(pid, workdir)
+
+
+def test_redis_maxmemory_is_sized_from_the_pools(tmp_path: Path) -> None:
+    """`cachetier up` and its cluster nodes: the budget of `run.redis_memory`, noeviction."""
+    tiny, big = PRESETS["tiny"], dataclasses.replace(
+        PRESETS["tiny"], cache=dataclasses.replace(PRESETS["tiny"].cache, num_pages=1 << 20))
+    small, large = index_maxmemory([tiny]), index_maxmemory([tiny, big])
+    # a million pages of 4 hash blocks: their ~700 measured bytes each, with room to spare
+    assert large - small >= (1 << 20) * 700 * 1.5
+    cluster = Cluster(ClusterSettings(tmp_path, "t", big, (), redis_cluster=ClusterShape()))
+    assert cluster.redis.maxmemory == cluster.redis_cluster.maxmemory == index_maxmemory([big])
+    command = ClusterNode(maxmemory=12345)._command(tmp_path)
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert (flags["--maxmemory"], flags["--maxmemory-policy"]) == ("12345", "noeviction")
+
+
 
 
 async def test_redis_usable_from_async_code() -> None:

@@ -32,6 +32,7 @@ from cachetier.client import CacheTierClient
 from cachetier.config import Config
 from cachetier.errors import CacheTierError
 from cachetier.run.redis_cluster import ClusterNode, ClusterShape, LocalRedisCluster
+from cachetier.run.redis_memory import index_maxmemory
 from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
                                    terminate)
 
@@ -153,10 +154,11 @@ class Cluster:
     def __init__(self, settings: ClusterSettings) -> None:
         self.settings = settings
         self.run_dir = settings.run_dir
+        maxmemory = index_maxmemory([settings.config])
         self.redis = _DurableRedis(log_file=self.run_dir / "redis.log",
-                                   data_dir=self.run_dir / "redis-data")
+                                   data_dir=self.run_dir / "redis-data", maxmemory=maxmemory)
         self.redis_cluster = None if settings.redis_cluster is None else LocalRedisCluster(
-            settings.redis_cluster,
+            settings.redis_cluster, maxmemory=maxmemory,
             make_node=lambda i: _LoggedClusterNode(log_file=self.run_dir / f"redis-{i}.log"))
         self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log")
         self.service_url = ""

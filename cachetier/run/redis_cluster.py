@@ -85,6 +85,7 @@ class LocalRedisCluster:
     shape: ClusterShape = field(default_factory=ClusterShape)
     node_timeout_ms: int = 1000
     make_node: Callable[[int], ClusterNode] | None = None  # node i (None: a plain ClusterNode)
+    maxmemory: int = 1 << 30  # per node (`RedisServer.maxmemory`): each may hold every pool
     nodes: list[ClusterNode] = field(default_factory=list, init=False)
 
     @property
@@ -98,6 +99,7 @@ class LocalRedisCluster:
                 node = self.make_node(i) if self.make_node else ClusterNode()
                 node.node_timeout_ms = self.node_timeout_ms
                 node.min_replicas = min(1, self.shape.replicas)
+                node.maxmemory = self.maxmemory
                 self.nodes.append(node)
                 node.start()
             self._create()

@@ -172,13 +172,17 @@ class ChildServer:
 
 @dataclass(kw_only=True)
 class RedisServer(ChildServer):
-    """A redis-server with persistence off, on a unix socket (default) or a loopback TCP port."""
+    """A redis-server with persistence off, on a unix socket (default) or a loopback TCP port,
+    bounded by `maxmemory` with `noeviction`."""
 
     name: ClassVar[str] = "redis"
     install_hint: ClassVar[str] = "install it with `apt-get install redis-server` or run bin/setup"
     binary: str = field(default_factory=lambda: find_binary("redis-server"))
     tcp: bool = False
     port: int = 0  # with tcp: 0 picks a free port at start
+    # Redis refuses writes past this rather than evict index keys (`run.redis_memory`); the
+    # default is for throwaway servers (tests, benchmarks); `cachetier up` sizes it from the pools
+    maxmemory: int = 1 << 30
 
     @property
     def socket_path(self) -> Path:
@@ -196,7 +200,8 @@ class RedisServer(ChildServer):
         else:
             listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         return [self.binary, *listen, "--save", "", "--appendonly", "no", "--dir", str(workdir),
-                "--daemonize", "no", "--logfile", ""]
+                "--daemonize", "no", "--logfile", "", "--maxmemory", str(self.maxmemory),
+                "--maxmemory-policy", "noeviction"]
 
     def client(self) -> redis.Redis:
         """A blocking client, for setting up and inspecting the server."""
