@@ -54,7 +54,7 @@ class ServiceLimits:
     max_held_requests: int = 4096  # planned or pinned and not released
     max_pinned_pages: int = 1 << 16  # pages those requests hold (cached, allocated, restored)
     max_held_tokens: int = 1 << 24  # their prompts' tokens (Redis keeps their hashes meanwhile)
-    stats_per_s: float = 20.0  # `stats` calls, with a burst of as many
+    stats_per_s: float = 200.0  # `stats` calls, with a burst of as many (a poller: ~100/s)
 
     def __post_init__(self) -> None:
         for name in ("hello_max_frame", "max_connections", "max_handshaking", "calls_in_flight",
