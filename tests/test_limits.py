@@ -240,8 +240,14 @@ async def redis_config(redis: Redis, **values: Any) -> AsyncIterator[None]:
 
 
 async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
-    async with running_service(redis_url) as service, running_agent(service.url), \
+    async with running_service(redis_url) as service, running_agent(service.url) as agent, \
             CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
+        # what the liveness watcher believes (`LivenessWatcher(known=...)`): this agent only
+        agent_id = agent.identity.agent_id
+        assert service.knows_agent("p", 0, agent_id)
+        assert not service.knows_agent("p", 1, agent_id)
+        assert not service.knows_agent("p", 0, "forged")
+        assert not service.knows_agent("other", 0, agent_id)
         doc = list(range(200, 264))
         # a script running past busy-reply-threshold: Redis answers every other client BUSY
         async with redis_config(redis, **{"busy-reply-threshold": 50}):

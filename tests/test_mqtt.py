@@ -9,15 +9,17 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
+import aiomqtt
 import msgpack
+import paho.mqtt.client as paho
 import pytest
 
 from cachetier.events.cache_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
                                            EventSubscriber, MqttEventPublisher, NullEventPublisher,
                                            SequenceTracker, decode_batch, encode_batch,
-                                           removed_events)
+                                           events_topic, removed_events)
 from cachetier.events.liveness import (AgentPresence, AgentStatus, LivenessWatcher, agent_topic,
                                        agents_filter, parse_agent_topic)
 from cachetier.events.mqtt import Backoff, BrokerAddress, MqttLink
@@ -228,6 +230,85 @@ async def test_batches_dropped_while_disconnected_show_up_as_a_gap(mosquitto: Mo
             publisher.publish(pool, [AllBlocksCleared(5)])
             got.append(await asyncio.wait_for(subscriber.get(), TIMEOUT_S))
     assert [(r.batch.seq, r.missed) for r in got] == [(2, 2), (3, 0), (4, 0), (5, 0)]
+
+
+def test_sequence_jumps_are_rejected_unless_a_run_confirms_them() -> None:
+    tracker = SequenceTracker(max_gap=100, confirm=3, max_sources=2)
+
+    def seen(seq: int, source: str = "real") -> int | None:
+        return tracker.observe(EventBatch(0.0, seq, "p", source, []))
+
+    assert [seen(0), seen(1), seen(2 ** 62), seen(2), seen(3)] == [0, 0, None, 0, 0]
+    assert [seen(103), seen(104 + 100)] == [99, None]  # within max_gap; past it
+    # a publisher that lost 1,000 batches goes on numbering: the third in a row is adopted
+    assert [seen(1200), seen(1201), seen(1202), seen(1203)] == [None, None, 1098, 0]
+    assert tracker.rejected == 4
+    seen(0, "a")
+    seen(0, "b")  # a third source: the least recently heard of ("real") is forgotten
+    assert seen(5000) == 5000
+
+
+async def test_a_forged_seq_does_not_hide_the_real_batches(mosquitto: MosquittoServer,
+                                                           pool: str) -> None:
+    async with EventSubscriber(mosquitto.url, pool) as subscriber, \
+            MqttEventPublisher(mosquitto.url) as publisher, \
+            aiomqtt.Client("127.0.0.1", mosquitto.port) as forger:
+        await subscriber.link.wait_connected(TIMEOUT_S)
+        publisher.publish(pool, [AllBlocksCleared(1)])
+        assert (await asyncio.wait_for(subscriber.get(), TIMEOUT_S)).batch.seq == 0
+        forged = EventBatch(time.time(), 2 ** 62, pool, publisher.source, [AllBlocksCleared(9)])
+        await forger.publish(events_topic(pool), encode_batch(forged), qos=1)
+        publisher.publish(pool, [AllBlocksCleared(2)])
+        got = await asyncio.wait_for(subscriber.get(), TIMEOUT_S)
+        assert (got.batch.seq, got.missed, got.batch.events) == (1, 0, [AllBlocksCleared(2)])
+        assert subscriber.tracker.rejected == 1
+
+
+@contextmanager
+def forger(port: int) -> Iterator[paho.Client]:
+    """A plain paho client with its own network thread: thousands of QoS 0 publishes in a
+    fraction of a second (aiomqtt awaits each one)."""
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        yield client
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+async def test_forged_statuses_are_ignored_and_grow_nothing(mosquitto: MosquittoServer,
+                                                            pool: str) -> None:
+    """10,000 statuses of made-up agents and ranks (online, then offline) change nothing: only
+    the agent the service vouches for is followed."""
+    recorder = Recorder()
+    real = AgentStatus("online", "real-agent", 1, "cpu")
+    known = lambda p, rank, agent_id: (p, rank, agent_id) == (pool, 0, real.agent_id)  # noqa: E731
+    async with LivenessWatcher(mosquitto.url, recorder.lost, recorder.online, pool=pool,
+                               known=known, settle_s=0.05) as watcher, \
+            aiomqtt.Client("127.0.0.1", mosquitto.port) as agent:
+        await watcher.link.wait_connected(TIMEOUT_S)
+        await agent.publish(agent_topic(pool, 0), real.encode(), qos=1)
+        assert await recorder.next() == ("online", pool, 0, real.agent_id)
+        with forger(mosquitto.port) as forged:
+            for n in range(5000):
+                for state in ("online", "offline"):
+                    forged.publish(agent_topic(pool, n % 50),
+                                   AgentStatus(state, f"forged-{n}").encode())  # type: ignore
+        await wait_until(lambda: watcher.ignored >= 10_000, timeout_s=20)
+        await asyncio.sleep(0.2)  # past settle_s: a believed offline would have been reported
+        assert recorder.calls.empty()
+        assert watcher.online_agents() == {(pool, 0): real}
+    # without a judge, the table is still bounded
+    async with LivenessWatcher(mosquitto.url, recorder.lost, pool=pool, max_agents=5) as bounded:
+        await bounded.link.wait_connected(TIMEOUT_S)
+        with forger(mosquitto.port) as forged:
+            for rank in range(20):
+                forged.publish(agent_topic(pool, 100 + rank),
+                               AgentStatus("online", f"a{rank}").encode())
+            await wait_until(lambda: bounded.ignored >= 15)
+            assert len(bounded.online_agents()) <= 5
 
 
 # --- liveness ----------------------------------------------------------------------------------

@@ -220,13 +220,27 @@ async def _nothing(client: aiomqtt.Client) -> None:
 
 
 class SequenceTracker:
-    """The last seq seen per (pool, source), to tell in-order batches from gaps and duplicates."""
+    """The last seq seen per (pool, source), to tell in-order batches from gaps and duplicates.
 
-    def __init__(self) -> None:
-        self._last: dict[tuple[str, str], int] = {}
+    A batch's seq is what it says it is, and anyone able to publish on the events topic could say
+    anything: one forged batch numbered 2^62 under the real publisher's source, if adopted, made
+    every later real batch a duplicate. So a jump of more than `max_gap` past the last seq is
+    rejected, not adopted, unless `confirm` such batches arrive in a row, each one past the
+    previous (a real publisher that lost that many batches goes on numbering; a single forged
+    number does not). At most `max_sources` (pool, source) pairs are followed, the least recently
+    heard of forgotten first (a forgotten source is a new one if it comes back).
+    """
+
+    def __init__(self, *, max_gap: int = 1 << 20, confirm: int = 3,
+                 max_sources: int = 1024) -> None:
+        self.max_gap, self.confirm, self.max_sources = max_gap, confirm, max_sources
+        self._last: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self._jumps: dict[tuple[str, str], tuple[int, int]] = {}  # key: (last jump seq, run)
+        self.rejected = 0
 
     def observe(self, batch: EventBatch) -> int | None:
-        """How many batches were missed just before `batch` (0: in order); None for a duplicate.
+        """How many batches were missed just before `batch` (0: in order); None for a duplicate
+        or a rejected jump.
 
         A source seen for the first time counts its earlier batches as missed: a consumer that
         joined late has not seen them, so its view is incomplete all the same.
@@ -235,8 +249,24 @@ class SequenceTracker:
         last = self._last.get(key, -1)
         if batch.seq <= last:
             return None
+        if key in self._last and batch.seq - last > self.max_gap and not self._confirmed(key,
+                                                                                         batch):
+            self.rejected += 1
+            return None
+        self._jumps.pop(key, None)
         self._last[key] = batch.seq
+        self._last.move_to_end(key)
+        if len(self._last) > self.max_sources:
+            forgotten, _ = self._last.popitem(last=False)
+            self._jumps.pop(forgotten, None)
         return batch.seq - last - 1
+
+    def _confirmed(self, key: tuple[str, str], batch: EventBatch) -> bool:
+        """Whether this jump is the `confirm`-th of a run numbered one after the other."""
+        seq, run = self._jumps.get(key, (-2, 0))
+        run = run + 1 if batch.seq == seq + 1 else 1
+        self._jumps[key] = (batch.seq, run)
+        return run >= self.confirm
 
 
 @dataclass(frozen=True)
@@ -247,13 +277,17 @@ class ReceivedBatch:
 
 class EventSubscriber(LinkOwner):
     """A consumer of one pool's batches (`pool="+"`: every pool), decoded and checked for gaps;
-    duplicates are dropped, undecodable messages logged and skipped. Iterate it inside `async with`.
+    duplicates and implausible jumps (`SequenceTracker`) are dropped, undecodable messages logged
+    and skipped. Iterate it inside `async with`. At most `max_queued` batches wait for the
+    consumer: one that arrives past that is dropped before its seq is taken, so the next one
+    delivered reports it missed.
     """
 
-    def __init__(self, url: str, pool: str = "+", *, backoff: Backoff | None = None) -> None:
+    def __init__(self, url: str, pool: str = "+", *, max_queued: int = 4096,
+                 backoff: Backoff | None = None) -> None:
         self.topic = events_topic(pool)
         self.tracker = SequenceTracker()
-        self._received: asyncio.Queue[ReceivedBatch] = asyncio.Queue()
+        self._received: asyncio.Queue[ReceivedBatch] = asyncio.Queue(max_queued)
         self.link = MqttLink(url, setup=self._subscribe, serve=self._receive, backoff=backoff)
 
     async def _subscribe(self, client: aiomqtt.Client) -> None:
@@ -265,6 +299,8 @@ class EventSubscriber(LinkOwner):
                 batch = decode_batch(payload_bytes(message))
             except ValueError as exc:
                 log.warning("skipping a message on %s: %s", message.topic, exc)
+                continue
+            if self._received.full():
                 continue
             missed = self.tracker.observe(batch)
             if missed is not None:

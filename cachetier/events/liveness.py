@@ -32,6 +32,7 @@ from cachetier.events.mqtt import TOPIC_ROOT, Backoff, LinkOwner, MqttLink, chec
 log = logging.getLogger(__name__)
 
 AgentLost = Callable[[str, int, str], Awaitable[None]]  # pool, rank, agent_id
+KnownAgent = Callable[[str, int, str], bool]  # pool, rank, agent_id: registered where it matters
 AgentOnline = Callable[[str, int, "AgentStatus"], Awaitable[None]]
 
 
@@ -140,13 +141,22 @@ class LivenessWatcher(LinkOwner):
     reconnection every agent known online has `rejoin_s` to be seen online again (retained, or
     announced anew after a broker restart) before it counts as lost: that also reports an agent
     that died while the broker was down.
+
+    Anyone who may publish on the agents' topics could otherwise make it forget or lose agents at
+    will, and grow its tables with every made-up (pool, rank): with `known`, a status about an
+    agent that `known(pool, rank, agent_id)` does not vouch for (the service: an agent registered
+    with it under that id) is ignored, online or offline; the table of agents is bounded by
+    `max_agents` in any case (statuses of further ones are ignored). An agent announces itself
+    again after each registration (`observers.PresenceObserver`), so it is followed from then on.
     """
 
     def __init__(self, url: str, on_agent_lost: AgentLost,
                  on_agent_online: AgentOnline | None = None, *, pool: str = "+",
-                 settle_s: float = 0.5, rejoin_s: float = 5.0,
-                 backoff: Backoff | None = None) -> None:
+                 settle_s: float = 0.5, rejoin_s: float = 5.0, known: KnownAgent | None = None,
+                 max_agents: int = 4096, backoff: Backoff | None = None) -> None:
         self.topic = agents_filter(pool)
+        self._known, self.max_agents = known, max_agents
+        self.ignored = 0  # statuses about agents not vouched for, or past `max_agents`
         self.settle_s, self.rejoin_s = settle_s, rejoin_s
         self._on_lost, self._on_online = on_agent_lost, on_agent_online
         self._online: dict[tuple[str, int], AgentStatus] = {}
@@ -176,7 +186,15 @@ class LivenessWatcher(LinkOwner):
             except ValueError as exc:
                 log.warning("ignoring a message on %s: %s", message.topic, exc)
                 continue
+            if not self._followed((pool, rank), status):
+                self.ignored += 1
+                continue
             await self._update((pool, rank), status)
+
+    def _followed(self, key: tuple[str, int], status: AgentStatus) -> bool:
+        if self._known is not None and not self._known(*key, status.agent_id):
+            return False
+        return key in self._online or len(self._online) < self.max_agents
 
     async def _update(self, key: tuple[str, int], status: AgentStatus) -> None:
         known = self._online.get(key)

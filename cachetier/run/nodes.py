@@ -33,7 +33,8 @@ async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
             observer = EventsObserver(publisher, settings.config.cache.hash_block_tokens)
         service = await stack.enter_async_context(CacheTierService(settings, observer))
         if mqtt is not None:
-            await stack.enter_async_context(LivenessWatcher(mqtt, service.agent_lost))
+            await stack.enter_async_context(LivenessWatcher(mqtt, service.agent_lost,
+                                                            known=service.knows_agent))
         ready(service.url)
         await asyncio.Event().wait()
 

@@ -241,6 +241,13 @@ class CacheTierService:
         elif agent_id in (None, link.identity.agent_id):
             await self._lose(state, link, "reported dead")
 
+    def knows_agent(self, pool: str, rank: int, agent_id: str) -> bool:
+        """Whether `agent_id` serves (`pool`, `rank`) here: the liveness watcher believes only
+        statuses of such agents (anyone on the broker could publish others)."""
+        state = self._pools.get(pool)
+        link = state.agents.links.get(rank) if state is not None else None
+        return link is not None and link.identity.agent_id == agent_id
+
     # connections
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
