@@ -35,6 +35,7 @@ from cachetier.wire.framing import DEFAULT_MAX_FRAME
 if TYPE_CHECKING:
     from cachetier.events.vllm_bridge import VllmEventBridge
     from cachetier.run.cluster import ClusterSettings
+    from cachetier.service.limits import ServiceLimits
 
 BENCHES = ("cluster", "lookup", "restore", "service", "transfer", "vllm")
 
@@ -109,6 +110,14 @@ def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _limits(items: Sequence[str]) -> ServiceLimits:
+    from cachetier.service.limits import parse_limits
+    try:
+        return parse_limits(items)
+    except ValueError as exc:
+        raise ConfigError("--limit", str(exc)) from None
+
+
 def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.run.nodes import run_service
     from cachetier.service.server import ServiceSettings
@@ -117,7 +126,7 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         listen=args.listen, copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
         redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
         redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout,
-        route_from_replicas=args.route_replicas)
+        route_from_replicas=args.route_replicas, limits=_limits(args.limit))
     if args.redis_acks is not None and args.redis_acks < 0 or args.redis_ack_timeout < 1:
         raise ConfigError("--redis-acks", "replicas must be >= 0 and the timeout >= 1 ms")
     if args.redis_cluster:
@@ -241,6 +250,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--request-lease", type=float, metavar="SECONDS",
                        help="a request or pinned reader not stepped for this long is released: "
                        "its scheduler is taken for gone (0: never; default 300)")
+    serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                       help="change one of the service's limits (cachetier/service/limits.py: "
+                       "idle_timeout_s, max_release_ids, max_held_requests, ...); repeatable")
     add_config_arguments(serve)
     _add_node_arguments(serve)
     serve.set_defaults(handler=_serve)

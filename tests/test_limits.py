@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import ErrorCode, RemoteError
-from cachetier.service.limits import ServiceLimits
+from cachetier.service.limits import ServiceLimits, parse_limits
 from cachetier.wire.framing import HEADER, encode_frame
 from cachetier.wire.protocol import PROTOCOL_VERSION, Hello, Stats, parse_reply, request_frame
 from index.hashing import hash_len
@@ -139,6 +139,14 @@ async def test_idle_half_sent_and_surplus_connections_are_closed(redis, redis_ur
             async with Raw.open(url) as d:
                 reply = await d.reply()
                 assert reply.error.message.startswith("limit max_connections"), reply
+
+
+def test_serve_limit_flags() -> None:
+    limits = parse_limits(["idle_timeout_s=none", "max_release_ids=10", "stats_per_s=2.5"])
+    assert (limits.idle_timeout_s, limits.max_release_ids, limits.stats_per_s) == (None, 10, 2.5)
+    for bad in ("nope=1", "max_release_ids", "max_release_ids=ten", "max_release_ids=0"):
+        with pytest.raises(ValueError):
+            parse_limits([bad])
 
 
 def assert_limit(exc: pytest.ExceptionInfo[RemoteError], limit: str, retryable: bool) -> None:

@@ -21,8 +21,9 @@ voids the older epochs' entries). It is bounded by the quota itself.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,23 @@ class ServiceLimits:
                 raise ValueError(f"limit {name} must be >= 1")
         if self.stats_per_s <= 0 or (self.idle_timeout_s is not None and self.idle_timeout_s <= 0):
             raise ValueError("stats_per_s and idle_timeout_s must be > 0")
+
+
+def parse_limits(items: Sequence[str]) -> ServiceLimits:
+    """`serve --limit NAME=VALUE` (repeatable): the defaults with those changed; ValueError names
+    an unknown limit or a bad value (`none` for a limit that may be off)."""
+    fields = {f.name: f for f in dataclasses.fields(ServiceLimits)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{item!r}: expected NAME=VALUE, NAME one of {sorted(fields)}")
+        kind = float if name in ("idle_timeout_s", "stats_per_s") else int
+        try:
+            changes[name] = None if (name, text) == ("idle_timeout_s", "none") else kind(text)
+        except ValueError:
+            raise ValueError(f"{item!r}: {text!r} is not a {kind.__name__}") from None
+    return ServiceLimits(**changes)
 
 
 def _too_big(limit: str, what: str, size: int, most: int) -> LimitExceeded:
