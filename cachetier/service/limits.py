@@ -21,6 +21,7 @@ voids the older epochs' entries). It is bounded by the quota itself.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -161,6 +162,7 @@ class ClientQuota:
     _tokens_held: int = 0
     _stats_tokens: float = -1.0  # stats calls the bucket holds; -1: full, not started
     _filled: float = 0.0
+    _refusing: asyncio.Lock = field(default_factory=asyncio.Lock)  # refused stats, in turn
 
     @property
     def held_requests(self) -> int:
@@ -174,9 +176,9 @@ class ClientQuota:
     def held_tokens(self) -> int:
         return self._tokens_held
 
-    def admit(self, msg: Any) -> None:
+    async def admit(self, msg: Any) -> None:
         if isinstance(msg, Stats):
-            self._take_stats_token()
+            await self._take_stats_token()
         elif isinstance(msg, Plan):
             new = [r for r in msg.requests if r.is_new and (msg.pool, r.rid) not in self._held]
             self._check_holdings(len(new), sum(r.prompt_tokens or 0 for r in new))
@@ -221,7 +223,11 @@ class ClientQuota:
                                 f"{tokens} more asked, at most {limits.max_held_tokens}: "
                                 "release some first", retryable=True)
 
-    def _take_stats_token(self) -> None:
+    async def _take_stats_token(self) -> None:
+        """A token bucket (`stats_per_s`, a burst of as many). A refusal is answered only after
+        1 / `stats_per_s`, one refusal at a time: a client pipelining `stats` without waiting for
+        them gets at most that many refusals a second besides its answers, and its other calls
+        queue behind them, so the service soon stops reading it (`serve_requests`' slots)."""
         now, rate = self.clock(), self.limits.stats_per_s
         burst = max(1.0, rate)
         if self._stats_tokens < 0:
@@ -229,10 +235,13 @@ class ClientQuota:
         else:
             self._stats_tokens = min(burst, self._stats_tokens + (now - self._filled) * rate)
         self._filled = now
-        if self._stats_tokens < 1:
-            raise LimitExceeded("stats_per_s", f"at most {rate:g} stats calls per second "
-                                "per connection", retryable=True)
-        self._stats_tokens -= 1
+        if self._stats_tokens >= 1:
+            self._stats_tokens -= 1
+            return
+        async with self._refusing:
+            await asyncio.sleep(1 / rate)
+        raise LimitExceeded("stats_per_s", f"at most {rate:g} stats calls per second per "
+                            "connection", retryable=True)
 
     def _hold(self, pool: str, rid: str, epoch: int, pages: int, tokens: int) -> None:
         self._drop((pool, rid))

@@ -333,7 +333,7 @@ class CacheTierService:
         """A client's call within its limits (`limits`): sizes, then quotas, then the call."""
         pool = getattr(message, "pool", None)
         check_size(message, self.settings.limits, self.config_for(pool) if pool else self.config)
-        quota.admit(message)
+        await quota.admit(message)
         result = await self._dispatch(message)
         quota.account(message, result)
         return result
