@@ -122,7 +122,8 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.run.nodes import run_service
     from cachetier.service.server import ServiceSettings
     settings = ServiceSettings(
-        redis_url=args.redis or "", token=_token(args), config=config_from_args(args),
+        redis_url=args.redis or "", secret=_from_env(args.secret, "--secret", "CACHETIER_SECRET"),
+        config=config_from_args(args),
         listen=args.listen, copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
         redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
         redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout,
@@ -156,18 +157,21 @@ def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
     if args.torch_threads < 1:
         raise ConfigError("--torch-threads", "must be >= 1")
     settings = AgentSettings(
-        services=tuple(args.service), pool=args.pool, token=_token(args), rank=args.rank,
+        services=tuple(args.service), pool=args.pool,
+        token=_from_env(args.token, "--token", "CACHETIER_TOKEN"), rank=args.rank,
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
         max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen,
         torch_threads=args.torch_threads)
     return _run_until_signal(run_agent(settings, args.mqtt), args.log_level)
 
 
-def _token(args: argparse.Namespace) -> str:
-    token = args.token or os.environ.get("CACHETIER_TOKEN", "")
-    if not token:
-        raise ConfigError("--token", "required (or set CACHETIER_TOKEN)")
-    return token
+def _from_env(value: str | None, flag: str, variable: str) -> str:
+    """A secret from its flag or, better (a command line is visible to every local user), from
+    the environment."""
+    value = value or os.environ.get(variable, "")
+    if not value:
+        raise ConfigError(flag, f"required (or set {variable})")
+    return value
 
 
 def registry_names(text: str, flag: str, kind: str, registry: Sequence[str], *,
@@ -217,8 +221,7 @@ def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str) -> int:
 
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    """What `serve` and `agent` share: the token, the broker, the frame limit and logging."""
-    parser.add_argument("--token", help="shared secret of the cluster (default: $CACHETIER_TOKEN)")
+    """What `serve` and `agent` share: the broker, the frame limit and logging."""
     parser.add_argument("--mqtt", metavar="URL",
                         help="mqtt://HOST:PORT of the broker for cache events and liveness")
     parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
@@ -253,6 +256,8 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                        help="change one of the service's limits (cachetier/service/limits.py: "
                        "idle_timeout_s, max_release_ids, max_held_requests, ...); repeatable")
+    serve.add_argument("--secret", help="the cluster secret every credential derives from "
+                                        "(default: $CACHETIER_SECRET)")
     add_config_arguments(serve)
     _add_node_arguments(serve)
     serve.set_defaults(handler=_serve)
@@ -274,6 +279,8 @@ def _add_agent_parser(commands: Any) -> None:
     agent.add_argument("--torch-threads", type=int, default=1, metavar="N",
                        help="torch CPU threads in this agent (default: 1, so agents sharing cores "
                             "do not oversubscribe them)")
+    agent.add_argument("--token", help="this agent's credential, bound to its pool and rank "
+                                       "(default: $CACHETIER_TOKEN)")
     _add_node_arguments(agent)
     agent.set_defaults(handler=_agent)
 
@@ -292,7 +299,7 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
         redis_cluster = None if shape is None else ClusterShape.parse(shape)
     except ValueError as exc:
         raise ConfigError("--redis-cluster", str(exc)) from None
-    return ClusterSettings(run_dir=run_dir.resolve(), token=args.token or secrets.token_hex(16),
+    return ClusterSettings(run_dir=run_dir.resolve(), secret=args.secret or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
                            port=args.port, redis_cluster=redis_cluster)
 
@@ -315,7 +322,7 @@ def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
     if args.info is None:
         raise ConfigError("--info", "where to write the engines' settings: required with "
                                     "--vllm-model")
-    return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir, token=args.token,
+    return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir, secret=args.secret,
                                  port=args.port, agents=1 if args.agents is None else args.agents,
                                  pool_pages=args.pool_pages, hash_unit=args.vllm_hash_unit,
                                  kv_events_endpoint=args.kv_events_endpoint,
@@ -342,7 +349,8 @@ def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
 def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port,
                         help=f"service TCP port (0: any free port; default {port})")
-    parser.add_argument("--token", help="shared secret of the cluster (default: a new random one)")
+    parser.add_argument("--secret", help="the cluster secret the credentials are derived from "
+                                         "(default: a new random one)")
     parser.add_argument("--run-dir", type=Path, metavar="DIR",
                         help="logs, pids.json and redis data (default: runs/<timestamp>)")
     add_config_arguments(parser)
@@ -497,8 +505,11 @@ def _add_trace_parser(commands: Any) -> None:
 def _events_vllm(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.events.vllm_bridge import run_bridge
     from cachetier.events.vllm_events import VllmEventMapping
+    from cachetier.run.nodes import logged_in
     mapping = VllmEventMapping.for_model(config_from_args(args).model)
-    return _run_until_signal(run_bridge(args.mqtt, args.pool, args.endpoint, args.replay_endpoint,
+    token = args.token or os.environ.get("CACHETIER_TOKEN", "")
+    mqtt = logged_in(args.mqtt, token) if token else args.mqtt
+    return _run_until_signal(run_bridge(mqtt, args.pool, args.endpoint, args.replay_endpoint,
                                         mapping=mapping, ready=_announce_bridge), args.log_level)
 
 
@@ -506,8 +517,9 @@ def _announce_bridge(bridge: VllmEventBridge) -> None:
     """The line the tests wait for: the sockets are up and the broker has the subscription."""
     config = bridge.config
     replay = f", replay on {config.replay_endpoint}" if config.replay_endpoint else ""
-    print(f"cachetier events vllm: pool {bridge.settings.pool} of {bridge.settings.mqtt_url} "
-          f"published on {config.endpoint}{replay}", flush=True)
+    broker = bridge.subscriber.link.address  # not the URL: it holds the password
+    print(f"cachetier events vllm: pool {bridge.settings.pool} of mqtt://{broker.host}:"
+          f"{broker.port} published on {config.endpoint}{replay}", flush=True)
 
 
 def _add_events_parser(commands: Any) -> None:
@@ -523,6 +535,8 @@ def _add_events_parser(commands: Any) -> None:
                            "a subscriber that binds")
     vllm.add_argument("--replay-endpoint", metavar="URL",
                       help="where vLLM's ROUTER socket binds for replay requests")
+    vllm.add_argument("--token", help="an observer's credential, the broker's login (default: "
+                                      "$CACHETIER_TOKEN; none: anonymous)")
     vllm.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     add_config_arguments(vllm)  # the model: which vLLM spec kind the full-attention group is
     vllm.set_defaults(handler=_events_vllm)

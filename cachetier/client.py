@@ -1,10 +1,14 @@
 """The scheduler's one face to the cache tier (STYLE 1): step plans and results, never Redis keys.
 
-    async with CacheTierClient("tcp://127.0.0.1:7400", token=token) as tier:
+    async with CacheTierClient("tcp://127.0.0.1:7400", token=credential) as tier:
         step = await tier.plan("pool-0", requests)      # StepPlan | StepRefusal
         ...                                              # forward pass on the planned pages
         done = await tier.commit("pool-0", items)
         await tier.confirm("pool-0", done.ticket)
+
+`credential` is a scheduler's (role client) token, as `cachetier up` writes it to
+`credentials/client` in its run directory (`cachetier.credentials`); an admin's does the same and
+may `invalidate`, an observer's only `health`.
 
 One round trip per operation, whatever the batch: `plan` returns once every rank has run the
 step's copies and the plan is confirmed. Requests from many tasks share one connection, matched by
@@ -28,8 +32,9 @@ from cachetier.errors import BrokenStream, ConnectionLost
 from cachetier.wire.channel import Channel, exchange
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint
 from cachetier.wire.protocol import (PROTOCOL_VERSION, Commit, Confirm, Handoff, HandoffReply,
-                                     Health, HealthReport, Hello, Pin, Plan, PlanReply, PoolStats,
-                                     Release, Route, RouteReply, Stats, Welcome)
+                                     Health, HealthReport, Hello, Invalidate, Pin, Plan,
+                                     PlanReply, PoolStats, Release, Route, RouteReply, Stats,
+                                     Welcome)
 from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, IndexStats, ReleaseResult, StepPlan,
                            StepRefusal, StepRequest)
@@ -83,6 +88,10 @@ class CacheTierClient:
 
     async def health(self) -> HealthReport:
         return await self._call(Health())
+
+    async def invalidate(self, pool: str) -> int:
+        """Start `pool` over in a new epoch (admin credentials only); returns the epoch."""
+        return await self._call(Invalidate(pool))
 
     async def route(self, pools: Sequence[str], prompt_tokens: int,
                     hashes: bytes) -> list[PrefixProbe]:

@@ -20,6 +20,7 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_OP = "unknown_op"
     HANDSHAKE = "handshake"  # the first frame was not a hello
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"  # a valid credential whose role may not do this
     VERSION = "version"
     TOO_LARGE = "too_large"  # a reply that would exceed the peer's frame limit
     CONFLICT = "conflict"  # a pool exists with another geometry
@@ -101,6 +102,12 @@ class HandshakeRequired(CacheTierError):
 
 class Unauthorized(CacheTierError):
     code = ErrorCode.UNAUTHORIZED
+
+
+class Forbidden(CacheTierError):
+    """The credential is good but its role may not do what was asked (`service.access`)."""
+
+    code = ErrorCode.FORBIDDEN
 
 
 class VersionMismatch(CacheTierError):

@@ -59,7 +59,7 @@ logger = logging.getLogger("gpu_pool.agent")
 class AgentSettings:
     services: tuple[str, ...]
     pool: str
-    token: str
+    token: str  # this agent's credential: bound to `pool` and `rank` (`cachetier.credentials`)
     rank: int = 0
     tp_degree: int = 1
     device: str = "cpu"
@@ -91,7 +91,8 @@ class Agent:
         self.registered = asyncio.Event()
         self._copying = asyncio.Lock()
         self.fence = OrderFence()
-        self._pages = PageServer(lambda: self.pool, settings.token, settings.max_frame)
+        self.peer_token = ""  # from the registration: what peers pull pages with
+        self._pages = PageServer(lambda: self.pool, lambda: self.peer_token, settings.max_frame)
 
     def handle(self) -> PoolHandle:
         if self.pool is None:
@@ -155,6 +156,7 @@ class Agent:
         self._adopt(registered.model, registered.cache)
         self.epoch = registered.epoch
         self.writes = max(self.writes, registered.writes)
+        self.peer_token = registered.peer_token
         self.registered.set()
         self.observer.registered(self.identity, url, registered.epoch)
         logger.info("pool %s rank %d registered with %s, epoch %d", s.pool, s.rank, url,
@@ -194,7 +196,7 @@ class Agent:
         moves = [PageMove.parse(*row) for row in order.moves]
         async with self.fence.order(order.epoch):
             received = await pull(self.pool, self.settings.rank, src, order.sources, moves,
-                                  self.settings.token, max_frame=self.settings.max_frame)
+                                  self.peer_token, max_frame=self.settings.max_frame)
         self.epoch = order.epoch
         return received
 

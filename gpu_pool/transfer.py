@@ -74,14 +74,14 @@ class BadStreamHeader(BrokenStream):
 
 
 class PageServer:
-    """Serves one rank's pages to the agents that pull them. `pool` is read at each request, so
-    the server can listen before the agent has built its pool (requests then get a retryable
-    refusal)."""
+    """Serves one rank's pages to the agents that pull them. `pool` and `token` are read at each
+    request, so the server can listen before the agent has built its pool and learnt the token
+    peers present (from its registration: requests then get a retryable refusal)."""
 
-    def __init__(self, pool: Callable[[], PagedPool | None], token: str,
+    def __init__(self, pool: Callable[[], PagedPool | None], token: Callable[[], str],
                  max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._pool = pool
-        self._token = token.encode()
+        self._token = token
         self._max_frame = max_frame
         self._server = SocketServer(self._serve)
 
@@ -115,10 +115,11 @@ class PageServer:
 
     def _source_views(self, request: StreamRequest) -> list[memoryview]:
         """Every stream checked against this rank's layout before the first byte is sent."""
-        if not hmac.compare_digest(request.token.encode(), self._token):
+        token = self._token()
+        if token and not hmac.compare_digest(request.token.encode(), token.encode()):
             raise Unauthorized("bad token")
         pool = self._pool()
-        if pool is None:
+        if pool is None or not token:
             raise AgentUnavailable("this agent has no pool yet (not registered)")
         ranges = [Stream(*row).src_range(pool.layout) for row in request.streams]
         return _host_source(pool.buffer, ranges)

@@ -1,4 +1,5 @@
-"""Test helpers for the running cluster: the tiny preset, the shared token, a service and an agent
+"""Test helpers for the running cluster: the tiny preset, the cluster secret and the scheduler
+credential derived from it (`TOKEN`: what test clients hold), a service and an agent
 run as asyncio tasks in the test's own loop, and polling for a state that arrives asynchronously.
 
 These are context managers rather than fixtures because tests start several services or agents,
@@ -12,14 +13,17 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from cachetier import credentials
 from cachetier.config import PRESETS, Config
+from cachetier.credentials import Principal, Role, issue
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.server import CacheTierService, ServiceSettings
 from gpu_pool.agent import Agent, AgentSettings
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 
-TOKEN = "test-token"
+SECRET = "test-secret"
+TOKEN = issue(SECRET, Principal(Role.CLIENT))
 TINY = PRESETS["tiny"]
 BLOCK = TINY.cache.hash_block_tokens
 PAGE = TINY.cache.page_tokens
@@ -30,14 +34,15 @@ T = TypeVar("T")
 async def running_service(redis_url: str, config: Config = TINY,
                           observer: ServiceObserver | None = None,
                           **overrides: Any) -> AsyncIterator[CacheTierService]:
-    settings = ServiceSettings(redis_url=redis_url, token=TOKEN, config=config, **overrides)
+    settings = ServiceSettings(redis_url=redis_url, secret=SECRET, config=config, **overrides)
     async with CacheTierService(settings, observer) as service:
         yield service
 
 
 @contextlib.asynccontextmanager
 async def running_agent(*urls: str, pool: str = "p", **overrides: Any) -> AsyncIterator[Agent]:
-    agent = Agent(AgentSettings(urls, pool, TOKEN, reconnect_max_s=0.2, **overrides))
+    token = agent_token(pool, overrides.get("rank", 0))
+    agent = Agent(AgentSettings(urls, pool, token, reconnect_max_s=0.2, **overrides))
     task = asyncio.create_task(agent.run())
     try:
         registered = asyncio.create_task(agent.registered.wait())
@@ -50,6 +55,11 @@ async def running_agent(*urls: str, pool: str = "p", **overrides: Any) -> AsyncI
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def agent_token(pool: str = "p", rank: int = 0) -> str:
+    """The credential of the agent of `pool`'s `rank`."""
+    return issue(SECRET, credentials.agent(pool, rank))
 
 
 async def eventually(probe: Callable[[], Awaitable[T]], done: Callable[[T], bool]) -> T:

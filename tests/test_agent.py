@@ -26,7 +26,8 @@ from cachetier.wire.protocol import (PROTOCOL_VERSION, AgentIdentity, CopyBatch,
 from gpu_pool import PagedPool
 from gpu_pool.agent import Agent, AgentSettings
 from gpu_pool.observer import AgentObserver
-from tests.cluster_harness import TINY, TOKEN, eventually, running_agent, running_service
+from tests.cluster_harness import (TINY, TOKEN, agent_token, eventually, running_agent,
+                                   running_service)
 
 PAGE_BYTES = TINY.geometry.page_bytes
 
@@ -139,7 +140,7 @@ async def test_the_observer_hears_each_registration(scripted):
         def registered(self, identity: AgentIdentity, url: str, epoch: int) -> None:
             heard.append((identity.pool, identity.rank, url, epoch))
 
-    agent = Agent(AgentSettings((scripted.url,), "p", TOKEN), Recorder())
+    agent = Agent(AgentSettings((scripted.url,), "p", agent_token()), Recorder())
     run = asyncio.create_task(agent.run())
     try:
         await (await scripted.next_agent()).close()
@@ -190,7 +191,7 @@ OTHER_GEOMETRY = Config(TINY.model, CacheSpec(**{**TINY.cache.__dict__, "num_pag
     ({"tp_degree": 2}, ErrorCode.BAD_REQUEST),
 ], ids=["token", "tp_degree"])
 async def test_a_refusal_retrying_cannot_fix_ends_the_run(service, overrides, code):
-    settings = AgentSettings((service.url,), "p", **{"token": TOKEN, **overrides})
+    settings = AgentSettings((service.url,), "p", **{"token": agent_token(), **overrides})
     with pytest.raises(RemoteError) as err:
         await asyncio.wait_for(Agent(settings).run(), 10)
     assert err.value.code == code
@@ -200,7 +201,7 @@ async def test_a_pool_of_another_geometry_is_refused(service, redis_url):
     async with running_agent(service.url):
         pass                                                 # pool "p" exists, tiny geometry
     async with running_service(redis_url, config=OTHER_GEOMETRY) as other:
-        settings = AgentSettings((other.url,), "p", TOKEN)
+        settings = AgentSettings((other.url,), "p", agent_token())
         with pytest.raises(RemoteError) as err:
             await asyncio.wait_for(Agent(settings).run(), 10)
         assert err.value.code == ErrorCode.CONFLICT

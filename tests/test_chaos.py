@@ -53,7 +53,7 @@ from gpu_pool import PagedPool
 from index.records import RequestPlan, StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from tests.cluster_harness import BLOCK, PAGE, TINY, TOKEN, running_service
+from tests.cluster_harness import BLOCK, PAGE, SECRET, TINY, TOKEN, agent_token, running_service
 from tests.index_harness import commit_item, new_request
 
 POOL = "p"
@@ -138,7 +138,7 @@ class Agents:
         return self._count
 
     def argv(self, service: str, handle_file: Path, mqtt: str | None) -> list[str]:
-        args = ["agent", "--service", service, "--pool", POOL, "--token", TOKEN,
+        args = ["agent", "--service", service, "--pool", POOL, "--token", agent_token(POOL),
                 "--handle-file", str(handle_file), "--log-level", "info"]
         return args + (["--mqtt", mqtt] if mqtt else [])
 
@@ -623,7 +623,7 @@ async def test_broker_restarted_under_load_the_service_reconnects_and_stays_cons
     broker = MosquittoServer()
     broker.start()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    settings = ServiceSettings(redis_url, TOKEN, TINY, copy_timeout_s=5)
+    settings = ServiceSettings(redis_url, SECRET, TINY, copy_timeout_s=5)
     serve = asyncio.create_task(run_service(settings, ready.set_result, broker.url))
     try:
         url = await asyncio.wait_for(ready, 10)

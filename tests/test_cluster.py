@@ -108,7 +108,7 @@ def test_up_with_a_redis_cluster_serves_and_stops_every_node(tmp_path):
     there, a prompt served twice hits), and Ctrl-C stops every node with the rest."""
     run_dir, console = tmp_path / "run", tmp_path / "console.txt"
     with open(console, "wb") as out:
-        proc = subprocess.Popen([*UP, "--agents", "1", "--redis-cluster", "3x1", "--token", "t",
+        proc = subprocess.Popen([*UP, "--agents", "1", "--redis-cluster", "3x1", "--secret", "t",
                                  "--run-dir", str(run_dir)], stdout=out, stderr=out)
     try:
         wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)

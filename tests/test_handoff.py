@@ -32,7 +32,7 @@ from index.lifecycle import RequestLifecycle
 from index.records import RequestPlan
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
-from tests.cluster_harness import TOKEN, running_agent, running_service
+from tests.cluster_harness import TOKEN, agent_token, running_agent, running_service
 from tests.index_harness import ROOT, commit_item, new_request, only
 
 MODEL = ModelSpec(kda_heads=8, kda_head_k_dim=4, kda_head_v_dim=8, mla_latent_dim=4)
@@ -198,7 +198,8 @@ async def test_a_destination_dying_mid_stream_fails_retryably_and_leaves_nothing
         async with contextlib.AsyncExitStack() as stack:
             prefill_agents = [await stack.enter_async_context(running_agent(
                 svc.url, pool="prefill", rank=r, tp_degree=2)) for r in range(2)]
-            decode = Agent(AgentSettings((svc.url,), "decode", TOKEN, reconnect_max_s=60))
+            decode = Agent(AgentSettings((svc.url,), "decode", agent_token("decode"),
+                                         reconnect_max_s=60))
             decode_run = asyncio.create_task(decode.run())
             await asyncio.wait_for(decode.registered.wait(), 10)
             tier = await stack.enter_async_context(CacheTierClient(svc.url, token=TOKEN,

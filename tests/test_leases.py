@@ -24,7 +24,8 @@ from cachetier.service.server import ServiceSettings
 from index.records import StepRequest
 from index.snapshot import read_pool
 from index.store import PrefixIndex, pool_keys
-from tests.cluster_harness import BLOCK, TOKEN, assert_no_pins, running_agent, running_service
+from tests.cluster_harness import (BLOCK, SECRET, TOKEN, assert_no_pins, running_agent,
+                                   running_service)
 from tests.index_harness import commit_item, new_request, only, small_config
 
 DOC = [3 + (17 * i) % 700 for i in range(200)]
@@ -134,11 +135,11 @@ def test_serve_takes_its_request_lease_from_the_command_line(monkeypatch, flags,
         settings.append(given)
 
     monkeypatch.setattr("cachetier.run.nodes.run_service", run_service)
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--token", TOKEN, *flags]) == 0
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET, *flags]) == 0
     assert [s.request_lease_s for s in settings] == [lease]
 
 
 def test_a_negative_request_lease_is_refused(capsys):
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--token", TOKEN,
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET,
                  "--request-lease", "-1"]) == 2
     assert "cachetier: --request-lease:" in capsys.readouterr().err

@@ -470,7 +470,7 @@ def test_serve_takes_a_server_or_a_cluster_not_both():
     ("", None, None), ("h:1", None, ReplicaAcks(1, 100)), ("", 1, ReplicaAcks(1, 100)),
     ("h:1", 0, None), ("h:1", 2, ReplicaAcks(2, 100))])
 def test_writes_are_acknowledged_by_default_on_a_cluster_only(cluster, acks, expected):
-    settings = ServiceSettings("redis://r" if not cluster else "", "t", TINY,
+    settings = ServiceSettings("redis://r" if not cluster else "", "s", TINY,
                                redis_cluster=cluster, redis_acks=acks)
     assert settings.replica_acks() == expected
 

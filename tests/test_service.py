@@ -46,8 +46,8 @@ from index.records import RequestPlan, StepPlan
 from index.snapshot import read_pool
 from index.store import pool_keys
 from index.tickets import split
-from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, eventually,
-                                   running_agent, running_service)
+from tests.cluster_harness import (BLOCK, PAGE, SECRET, TINY, TOKEN, agent_token, assert_no_pins,
+                                   eventually, running_agent, running_service)
 from tests.index_harness import ROOT, commit_item, new_request, only
 from tests.redis_harness import dump
 
@@ -69,7 +69,7 @@ class ScriptedAgent:
     @classmethod
     async def register(cls, stream: FramedStream, pool: str = "p",
                        epoch: int | None = None) -> ScriptedAgent:
-        await exchange(stream, 0, Hello(PROTOCOL_VERSION, TOKEN, "agent"))
+        await exchange(stream, 0, Hello(PROTOCOL_VERSION, agent_token(pool), "agent"))
         registered = await exchange(stream, 1, Register(pool, 0, 1, "scripted", epoch))
         return cls(stream, registered)
 
@@ -324,9 +324,10 @@ async def test_with_a_broker_the_cluster_publishes_events_and_presence(redis, re
         async with EventSubscriber(broker.url, "p") as events, \
                 LivenessWatcher(broker.url, on_lost, settle_s=0.1) as watcher:
             ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            settings = ServiceSettings(redis_url, TOKEN, TINY)
+            settings = ServiceSettings(redis_url, SECRET, TINY)
             serve = asyncio.create_task(run_service(settings, ready.set_result, broker.url))
-            agent_settings = AgentSettings((await asyncio.wait_for(ready, 10),), "p", TOKEN)
+            agent_settings = AgentSettings((await asyncio.wait_for(ready, 10),), "p",
+                                           agent_token())
             agent = asyncio.create_task(run_agent(agent_settings, broker.url))
             try:
                 first = await asyncio.wait_for(events.get(), 10)   # the agent's fresh bytes
@@ -373,7 +374,7 @@ async def test_a_bad_token_is_refused_and_the_connection_closed(service, redis, 
         await exchange(stream, 0, Hello(PROTOCOL_VERSION, "wrong"))
     assert err.value.code == ErrorCode.UNAUTHORIZED and not err.value.retryable
     assert await closed(stream)
-    with pytest.raises(RemoteError, match="unauthorized|bad token"):
+    with pytest.raises(RemoteError, match="bad credential"):
         async with CacheTierClient(service.url, token="wrong"):
             pass
     assert await dump(redis) == before
@@ -398,7 +399,8 @@ async def test_the_handshake_comes_first(service, connect, first, code):
 ])
 async def test_a_registration_that_does_not_fit_is_refused(service, redis, connect, register, code):
     stream = await connect(service.url)
-    await exchange(stream, 0, Hello(PROTOCOL_VERSION, TOKEN, "agent"))
+    await exchange(stream, 0, Hello(PROTOCOL_VERSION, agent_token(register.pool, register.rank),
+                                    "agent"))
     with pytest.raises(RemoteError) as err:
         await exchange(stream, 1, register)
     assert err.value.code == code and not err.value.retryable
@@ -421,11 +423,11 @@ async def wait_for_file(path: Path, proc: subprocess.Popen[str]) -> None:
     raise AssertionError(f"{path} did not appear")
 
 
-def cli(*args: str) -> subprocess.Popen[str]:
+def cli(*args: str, **env: str) -> subprocess.Popen[str]:
     """`cachetier ARGS` as a child that gets SIGTERM if this process dies (no orphans)."""
     return subprocess.Popen([sys.executable, "-m", "cachetier.cli", *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "CACHETIER_TOKEN": TOKEN},
+                            env={**os.environ, **env},
                             preexec_fn=parent_death_hook())
 
 
@@ -446,11 +448,12 @@ async def test_cli_serve_and_agent_end_to_end(tmp_path):
     handle_file = tmp_path / "pool.handle"
     with RedisServer() as redis_server:
         serve = cli("serve", "--redis", redis_server.url, "--listen", "tcp://127.0.0.1:0",
-                    "--preset", "tiny")
+                    "--preset", "tiny", CACHETIER_SECRET=SECRET)
         agent = None
         try:
             url = (await read_reply(serve, r"listening on (\S+)"))[1]
-            agent = cli("agent", "--service", url, "--pool", "p", "--handle-file", str(handle_file))
+            agent = cli("agent", "--service", url, "--pool", "p", "--handle-file", str(handle_file),
+                        CACHETIER_TOKEN=agent_token())
             await wait_for_file(handle_file, agent)
             handle = pickle.loads(handle_file.read_bytes())
             worker = Worker(PagedPool.attach(handle))

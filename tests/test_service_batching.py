@@ -23,7 +23,7 @@ from cachetier.service.server import CacheTierService, ServiceSettings
 from index.lifecycle import RequestLifecycle
 from index.records import ReleaseResult, RequestPlan, StepPlan, StepRefusal, StepRequest
 from index.store import pool_keys
-from tests.cluster_harness import (BLOCK, TINY, TOKEN, assert_no_pins, eventually,
+from tests.cluster_harness import (BLOCK, SECRET, TINY, TOKEN, assert_no_pins, eventually,
                                    running_agent, running_service)
 from tests.index_harness import commit_item, new_request
 
@@ -250,11 +250,11 @@ def test_serve_takes_its_batch_tick_from_the_command_line(monkeypatch, flags, ti
         settings.append(given)
 
     monkeypatch.setattr("cachetier.run.nodes.run_service", run_service)
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--token", TOKEN, *flags]) == 0
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET, *flags]) == 0
     assert [s.batch_tick_s for s in settings] == [tick]
 
 
 def test_a_negative_batch_tick_is_refused(capsys):
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--token", TOKEN,
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET,
                  "--batch-tick", "-1"]) == 2
     assert "cachetier: --batch-tick:" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def pools() -> Iterator[list[PagedPool]]:
 
 @contextlib.asynccontextmanager
 async def serving(pools: list[PagedPool]) -> AsyncIterator[list[str]]:
-    servers = [PageServer(lambda p=p: p, TOKEN) for p in pools]
+    servers = [PageServer(lambda p=p: p, lambda: TOKEN) for p in pools]
     try:
         yield [await s.start() for s in servers]
     finally:
@@ -305,7 +305,7 @@ from gpu_pool.transfer import PageServer
 async def main():
     pool = PagedPool.create({BIG!r}, {BIG_CACHE!r})
     pool.buffer.fill_(7)
-    server = PageServer(lambda: pool, {TOKEN!r})
+    server = PageServer(lambda: pool, lambda: {TOKEN!r})
     print(await server.start(), flush=True)
     await asyncio.Event().wait()
 

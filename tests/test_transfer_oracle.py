@@ -95,7 +95,7 @@ def new_pools() -> Iterator[NewPools]:
 @contextlib.asynccontextmanager
 async def serving(pools: Sequence[PagedPool]) -> AsyncIterator[list[str]]:
     """A page server per source rank; yields their URLs in rank order."""
-    servers = [transfer.PageServer(lambda p=p: p, TOKEN) for p in pools]
+    servers = [transfer.PageServer(lambda p=p: p, lambda: TOKEN) for p in pools]
     try:
         yield [await server.start() for server in servers]
     finally:

@@ -49,10 +49,12 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
+from cachetier import credentials
 from cachetier.bench.lookup import (Case, add_case_arguments, build_cases, confirming,
                                     conversation_tokens, expect_plan, prefix_hashes, redis_url)
 from cachetier.client import CacheTierClient
 from cachetier.config import Config, ConfigError, config_from_args, load_config
+from cachetier.credentials import Principal, Role, issue
 from cachetier.service.server import CacheTierService, ServiceSettings
 from gpu_pool.agent import Agent, AgentSettings
 from index.hashing import chain_hashes, namespace_root
@@ -69,7 +71,8 @@ QUICK_CLIENTS = 4
 DURATION_S = 8.0
 QUICK_DURATION_S = 0.5
 SETUP_BATCH = 8
-TOKEN = "bench-service"
+SECRET = "bench-service"
+TOKEN = issue(SECRET, Principal(Role.CLIENT))  # the benchmark's schedulers
 TARGET_RATIO = 2.5
 # small pages with the preset's cache geometry (see the module docstring)
 SMALL_MODEL = {"model.layers_per_group": "1", "model.kda_heads": "1", "model.kda_head_k_dim": "16",
@@ -154,7 +157,7 @@ async def cluster(url: str, config: Config, pool: str, unbatched: bool = False
     """The service and one in-process CPU agent per rank, registered; with `unbatched`, a second
     replica of the service that plans every step alone (`batch_tick_s=0`), which the same
     agents serve too."""
-    settings = ServiceSettings(redis_url=url, token=TOKEN, config=config,
+    settings = ServiceSettings(redis_url=url, secret=SECRET, config=config,
                                listen="tcp://127.0.0.1:0", copy_timeout_s=60.0)
     replicas = [settings] + ([dataclasses.replace(settings, batch_tick_s=0.0)]
                              if unbatched else [])
@@ -162,7 +165,8 @@ async def cluster(url: str, config: Config, pool: str, unbatched: bool = False
         services = [await stack.enter_async_context(CacheTierService(s)) for s in replicas]
         tasks = []
         for rank in range(config.model.tp_degree):
-            agent = TimedAgent(AgentSettings(tuple(s.url for s in services), pool, TOKEN,
+            token = issue(SECRET, credentials.agent(pool, rank))
+            agent = TimedAgent(AgentSettings(tuple(s.url for s in services), pool, token,
                                              rank=rank, tp_degree=config.model.tp_degree))
             tasks.append((agent, asyncio.create_task(agent.run())))
         try:

@@ -131,7 +131,7 @@ def measure(geo: Geometry, src_tp: int, dst_tp: int, reps: int, sources: SourceL
         plans = [plan_fetch(src_layout, p.layout, r, moves) for r, p in enumerate(dst_pools)]
         pair_bytes = [sum(s.nbytes for s in streams) for plan in plans for streams in plan.values()]
         nbytes = sum(pair_bytes)
-        servers = [PageServer(lambda p=p: p, TOKEN) for p in src_pools]
+        servers = [PageServer(lambda p=p: p, lambda: TOKEN) for p in src_pools]
         urls = [sources.run(s.start()) for s in servers]
         raw_src = torch.randint(0, 256, (max(pair_bytes),), dtype=torch.uint8)
         raw_dst = torch.empty(nbytes, dtype=torch.uint8)

@@ -92,8 +92,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         with Cluster(settings) as cluster:
             info = workdir / "info.json"
-            write_info(info, connector_info(service=cluster.service_url, token=settings.token,
-                                            pool=POOL, handle_file=cluster.handle_file(0),
+            write_info(info, connector_info(service=cluster.service_url,
+                                            token=cluster.client_token, pool=POOL,
+                                            handle_file=cluster.handle_file(0),
                                             model_dir=model, config=settings.config))
             tiered = _serve(model, workdir, "tier", rounds, args, info=info,
                             engine_args=capacity)

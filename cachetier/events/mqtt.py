@@ -16,7 +16,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Self
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import aiomqtt
 
@@ -33,18 +33,31 @@ Session = Callable[[aiomqtt.Client], Awaitable[None]]
 class BrokerAddress:
     host: str
     port: int = DEFAULT_PORT
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, url: str) -> BrokerAddress:
-        """`mqtt://HOST[:PORT]`; anything else is a ValueError naming the URL."""
+        """`mqtt://[USER:PASSWORD@]HOST[:PORT]` (user and password percent-encoded, as
+        `with_login` writes them); anything else is a ValueError naming the URL."""
         parts = urlsplit(url)
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password
         try:
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"bad MQTT URL {url!r}: {exc}") from None
+            raise ValueError(f"bad MQTT URL {shown!r}: {exc}") from None
         if parts.scheme != "mqtt" or not parts.hostname or parts.path not in ("", "/"):
-            raise ValueError(f"bad MQTT URL {url!r}: expected mqtt://HOST[:PORT]")
-        return cls(parts.hostname, port or DEFAULT_PORT)
+            raise ValueError(f"bad MQTT URL {shown!r}: expected mqtt://HOST[:PORT]")
+        username = None if parts.username is None else unquote(parts.username)
+        password = None if parts.password is None else unquote(parts.password)
+        return cls(parts.hostname, port or DEFAULT_PORT, username, password)
+
+
+def with_login(url: str, username: str, password: str) -> str:
+    """`url` with a login, for the links of one process (never put on a command line: every
+    local user can read those)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{quote(username, safe='')}:{quote(password, safe='')}@{rest}"
 
 
 def check_pool_name(pool: str) -> str:
@@ -134,7 +147,8 @@ class MqttLink:
 
     async def _connection(self) -> None:
         client = aiomqtt.Client(self.address.host, self.address.port, will=self._will,
-                                keepalive=self._keepalive_s)
+                                keepalive=self._keepalive_s, username=self.address.username,
+                                password=self.address.password)
         try:
             async with client:
                 await self._setup(client)

@@ -8,7 +8,10 @@ per tensor-parallel rank of pool `pool0` on the CPU, each only once the previous
 stops them in the reverse order (agents first, so the broker never sends Wills of live agents).
 Every child runs in its own session, so a Ctrl-C reaches `up` alone and the order holds, and gets
 SIGTERM if `up` itself dies, so nothing outlives it. All logs and `pids.json` live in the run
-directory. The token reaches the children through the environment, not their command lines.
+directory. Every credential is generated from the cluster secret into `credentials/` in the run
+directory (`run.credential_files`); each child gets its own only (the service the secret, each
+agent its rank's token), through the environment, not its command line. The broker admits those
+principals only, each to its own topics (`run.mqtt_auth`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from typing import Any, Self
 
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
+from cachetier.credentials import Role
 from cachetier.errors import CacheTierError
+from cachetier.run.credential_files import ClusterCredentials
+from cachetier.run.mqtt_auth import BrokerAuth
 from cachetier.run.redis_cluster import ClusterNode, ClusterShape, LocalRedisCluster
 from cachetier.run.redis_memory import index_maxmemory
 from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
@@ -49,7 +55,7 @@ class ClusterError(RuntimeError):
 @dataclass(frozen=True)
 class ClusterSettings:
     run_dir: Path
-    token: str
+    secret: str  # the cluster secret every credential derives from (`cachetier.credentials`)
     config: Config
     serve_config_args: tuple[str, ...]  # the flags that give `serve` the same `config`
     agents: int = 2
@@ -155,12 +161,14 @@ class Cluster:
         self.settings = settings
         self.run_dir = settings.run_dir
         maxmemory = index_maxmemory([settings.config])
+        self.credentials = ClusterCredentials(settings.secret, POOL, settings.agents)
         self.redis = _DurableRedis(log_file=self.run_dir / "redis.log",
                                    data_dir=self.run_dir / "redis-data", maxmemory=maxmemory)
         self.redis_cluster = None if settings.redis_cluster is None else LocalRedisCluster(
             settings.redis_cluster, maxmemory=maxmemory,
             make_node=lambda i: _LoggedClusterNode(log_file=self.run_dir / f"redis-{i}.log"))
-        self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log")
+        self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log",
+                                     auth=BrokerAuth.of(self.credentials.mqtt_tokens()))
         self.service_url = ""
         self.nodes: list[Node] = []
         self._pids: dict[str, int] = {}
@@ -185,24 +193,25 @@ class Cluster:
 
     def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.credentials.write(self.run_dir)
         self._record("mosquitto", self._stack.enter_context(self.mqtt).pid)
-        service = self._spawn("service", ["serve", *self._start_redis(),
-                                          "--listen", f"tcp://127.0.0.1:{self.settings.port}",
-                                          *self._node_args(), *self.settings.serve_config_args])
+        service = self._spawn("service", {"CACHETIER_SECRET": self.settings.secret}, [
+            "serve", *self._start_redis(), "--listen", f"tcp://127.0.0.1:{self.settings.port}",
+            *self._node_args(), *self.settings.serve_config_args])
         url = service.wait_for(_LISTENING, self.settings.startup_timeout_s)[1]
         self.service_url = url.decode()
         for rank in range(self.settings.agents):
-            self._spawn(f"agent-{rank}", ["agent", "--service", self.service_url, "--pool", POOL,
-                                          "--rank", str(rank), "--tp-degree",
-                                          str(self.settings.agents), "--device", "cpu",
-                                          "--handle-file", str(self.handle_file(rank)),
-                                          *self._node_args()])
+            token = {"CACHETIER_TOKEN": self.credentials.agent(rank)}
+            self._spawn(f"agent-{rank}", token, [
+                "agent", "--service", self.service_url, "--pool", POOL, "--rank", str(rank),
+                "--tp-degree", str(self.settings.agents), "--device", "cpu",
+                "--handle-file", str(self.handle_file(rank)), *self._node_args()])
         asyncio.run(self._until_registered())
         if self.settings.kv_events_endpoint is not None:
-            bridge = self._spawn("vllm-events", ["events", "vllm", *self._node_args(),
-                                                 "--pool", POOL, "--endpoint",
-                                                 self.settings.kv_events_endpoint,
-                                                 *self.settings.serve_config_args])
+            observer = {"CACHETIER_TOKEN": self.credentials.role(Role.OBSERVER)}
+            bridge = self._spawn("vllm-events", observer, [
+                "events", "vllm", *self._node_args(), "--pool", POOL, "--endpoint",
+                self.settings.kv_events_endpoint, *self.settings.serve_config_args])
             bridge.wait_for(_BRIDGING, self.settings.startup_timeout_s)
 
     def _start_redis(self) -> list[str]:
@@ -218,8 +227,9 @@ class Cluster:
     def _node_args(self) -> list[str]:
         return ["--mqtt", self.mqtt.url]
 
-    def _spawn(self, name: str, args: list[str]) -> Node:
-        env = {**os.environ, "CACHETIER_TOKEN": self.settings.token}
+    def _spawn(self, name: str, secrets: dict[str, str], args: list[str]) -> Node:
+        """A child with `secrets` in its environment, and none of ours (`CACHETIER_*`)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETIER_")} | secrets
         node = Node(name, args, self.run_dir / f"{name}.log", env)
         self._stack.callback(node.stop)  # before starting: a failed start still gets reaped
         self.nodes.append(node.start())
@@ -248,8 +258,13 @@ class Cluster:
         """Where agent `rank` writes the handle a co-located worker attaches to its pool with."""
         return self.run_dir / f"agent-{rank}.handle"
 
+    @property
+    def client_token(self) -> str:
+        """A scheduler's credential (role client), as in `credentials/client`."""
+        return self.credentials.role(Role.CLIENT)
+
     def client(self) -> CacheTierClient:
-        return CacheTierClient(self.service_url, token=self.settings.token)
+        return CacheTierClient(self.service_url, token=self.client_token)
 
     def check_alive(self) -> None:
         """A ClusterError naming the first child that exited (the servers are checked by use)."""
@@ -264,7 +279,7 @@ class Cluster:
             redis = (f"redis cluster {shape.masters}x{shape.replicas} "
                      f"{self.redis_cluster.startup_nodes}")
         return (f"service {self.service_url} (pool {POOL}, {self.settings.agents} CPU agents), "
-                f"{redis}, mqtt {self.mqtt.url}, token {self.settings.token}")
+                f"{redis}, mqtt {self.mqtt.url}, credentials {self.run_dir / 'credentials'}")
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -4,7 +4,8 @@ With a broker the service publishes cache events (`EventsObserver` over `MqttEve
 follows the agents' liveness (`LivenessWatcher` calling `CacheTierService.agent_lost`); an agent
 announces itself with a Last Will (`AgentPresence`) and the epoch of each registration
 (`PresenceObserver`). Without one, both run alone: a dropped connection is then the only death
-notice the service gets.
+notice the service gets. Each logs in to the broker with its own credential (`MqttLogin`): the
+service with the one of role service it derives from the cluster secret, an agent with its token.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cachetier.credentials import MqttLogin, Principal, Role, issue
 from cachetier.events.cache_events import MqttEventPublisher
 from cachetier.events.liveness import AgentPresence, LivenessWatcher
+from cachetier.events.mqtt import with_login
 from cachetier.events.observers import EventsObserver, PresenceObserver
 from cachetier.service.server import CacheTierService, ServiceSettings
 
@@ -29,6 +32,7 @@ async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
     async with contextlib.AsyncExitStack() as stack:
         observer = None
         if mqtt is not None:
+            mqtt = logged_in(mqtt, issue(settings.secret, Principal(Role.SERVICE)))
             publisher = await stack.enter_async_context(MqttEventPublisher(mqtt))
             observer = EventsObserver(publisher, settings.config.cache.hash_block_tokens)
         service = await stack.enter_async_context(CacheTierService(settings, observer))
@@ -45,7 +49,14 @@ async def run_agent(settings: AgentSettings, mqtt: str | None = None) -> None:
     async with contextlib.AsyncExitStack() as stack:
         observer = None
         if mqtt is not None:
-            presence = AgentPresence(mqtt, settings.pool, settings.rank, device=settings.device,
+            presence = AgentPresence(logged_in(mqtt, settings.token), settings.pool,
+                                     settings.rank, device=settings.device,
                                      agent_id=settings.agent_id)
             observer = PresenceObserver(await stack.enter_async_context(presence))
         await Agent(settings, observer).run()
+
+
+def logged_in(url: str, token: str) -> str:
+    """The broker URL with the login of `token`'s principal."""
+    login = MqttLogin.of(token)
+    return with_login(url, login.username, login.password)

@@ -10,6 +10,7 @@ when the *starting thread* exits.
 from __future__ import annotations
 
 import ctypes
+import getpass
 import os
 import shlex
 import shutil
@@ -21,9 +22,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import redis
+
+if TYPE_CHECKING:
+    from cachetier.run.mqtt_auth import BrokerAuth
 
 LOOPBACK = "127.0.0.1"
 _STOP_TIMEOUT_S = 5.0
@@ -230,12 +234,14 @@ class RedisServer(ChildServer):
 
 @dataclass(kw_only=True)
 class MosquittoServer(ChildServer):
-    """A mosquitto MQTT broker on a loopback port, anonymous, nothing persisted."""
+    """A mosquitto MQTT broker on a loopback port, nothing persisted: anonymous, or with `auth`
+    its users and topic ACL only (`run.mqtt_auth`)."""
 
     name: ClassVar[str] = "mosquitto"
     install_hint: ClassVar[str] = "install it with `apt-get install mosquitto` or run bin/setup"
     binary: str = field(default_factory=lambda: find_binary("mosquitto"))
     port: int = 0  # 0 picks a free port at start
+    auth: BrokerAuth | None = None
 
     @property
     def url(self) -> str:
@@ -244,7 +250,14 @@ class MosquittoServer(ChildServer):
     def _command(self, workdir: Path) -> list[str]:
         self.port = self.port or free_port()
         config = workdir / "mosquitto.conf"
-        config.write_text(f"listener {self.port} {LOOPBACK}\nallow_anonymous true\n"
+        access = "allow_anonymous true\n"
+        if self.auth is not None:
+            passwords, acl = self.auth.write(workdir)
+            # `user`: run as the user who started it (a broker started by root otherwise drops
+            # to user mosquitto, who cannot read these private files)
+            access = (f"allow_anonymous false\npassword_file {passwords}\nacl_file {acl}\n"
+                      f"user {getpass.getuser()}\n")
+        config.write_text(f"listener {self.port} {LOOPBACK}\n{access}"
                           "persistence false\nlog_dest stderr\n")
         return [self.binary, "-c", str(config)]
 

@@ -19,7 +19,7 @@ from cachetier.vllm.info import connector_info, write_info
 
 
 def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
-                          token: str | None = None, port: int = 7400, agents: int = 1,
+                          secret: str | None = None, port: int = 7400, agents: int = 1,
                           pool_pages: int = 1024, hash_unit: int | None = None,
                           kv_events_endpoint: str | None = None,
                           overrides: Sequence[tuple[str, str]] = ()) -> ClusterSettings:
@@ -37,7 +37,7 @@ def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
     config = load_config(overrides=dict(flag.removeprefix("--set=").split("=", 1)
                                         for flag in serve_config))
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    return ClusterSettings(run_dir=run_dir.resolve(), token=token or secrets.token_hex(16),
+    return ClusterSettings(run_dir=run_dir.resolve(), secret=secret or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
                            port=port, kv_events_endpoint=kv_events_endpoint)
 
@@ -46,7 +46,7 @@ def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> i
     model_dir, info_path = model_dir.resolve(), info_path.resolve()
 
     def job(cluster: Cluster) -> None:
-        info = connector_info(service=cluster.service_url, token=settings.token, pool=POOL,
+        info = connector_info(service=cluster.service_url, token=cluster.client_token, pool=POOL,
                               handle_file=cluster.handle_file(0), model_dir=model_dir,
                               config=settings.config,
                               kv_events_endpoint=settings.kv_events_endpoint)

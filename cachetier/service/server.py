@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import uuid
@@ -33,9 +32,11 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 from redis.exceptions import RedisError
 
 from cachetier.config import Config
+from cachetier.credentials import Principal, Role, peer_token, verify
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
                               ErrorInfo, HandshakeRequired, LimitExceeded, StorageFull,
-                              Unauthorized, VersionMismatch, error_info)
+                              VersionMismatch, error_info)
+from cachetier.service import access
 from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
@@ -46,7 +47,8 @@ from cachetier.service.recovery import PoolRecovery
 from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
-                                     Handoff, HandoffReply, Health, HealthReport, Hello, Pin,
+                                     Handoff, HandoffReply, Health, HealthReport, Hello,
+                                     Invalidate, Pin,
                                      Plan, PlanReply, PoolStats, Register, Registered, Release,
                                      Route, RouteReply, Stats, Welcome, ok_frame, op_table,
                                      parse_request, request_id)
@@ -79,7 +81,7 @@ _INDEX_CODES: dict[type[CacheIndexError], ErrorCode] = {
 @dataclass(frozen=True)
 class ServiceSettings:
     redis_url: str  # "" with `redis_cluster`
-    token: str
+    secret: str  # the cluster secret every credential derives from (`cachetier.credentials`)
     config: Config
     listen: str = "tcp://127.0.0.1:0"
     copy_timeout_s: float = 10.0
@@ -170,6 +172,7 @@ class CacheTierService:
             Plan: self._plan, Commit: self._commit, Confirm: self._confirm,
             Release: self._release, Stats: self._stats, Health: self._health,
             Route: self._route, Pin: self._pin, Handoff: self._handoff,
+            Invalidate: self._invalidate_pool,
         }
 
     @property
@@ -259,15 +262,16 @@ class CacheTierService:
         # that can only be a hello (a 16 MiB one of empty arrays once took the service to 1.5 GB)
         stream = FramedStream(reader, writer, limits.hello_max_frame)
         try:
-            hello = await self._admitted(stream)
+            principal = await self._admitted(stream)
             stream.max_frame = self.settings.max_frame
-            if hello.role == "agent":
-                await self._serve_agent(stream)
+            if principal.role is Role.AGENT:
+                await self._serve_agent(stream, principal)
             else:
                 quota = ClientQuota(limits, self.settings.request_lease_s)
                 await serve_requests(stream, CLIENT_OPS,
-                                     functools.partial(self._client_call, quota), describe,
-                                     limit=limits.calls_in_flight, idle_s=limits.idle_timeout_s)
+                                     functools.partial(self._client_call, principal, quota),
+                                     describe, limit=limits.calls_in_flight,
+                                     idle_s=limits.idle_timeout_s)
         except (CacheTierError, OSError, TimeoutError) as exc:
             logger.debug("connection ended: %s", exc)
         except asyncio.CancelledError:
@@ -276,7 +280,7 @@ class CacheTierService:
             self._connections.discard(task)
             await stream.close()
 
-    async def _admitted(self, stream: FramedStream) -> Hello:
+    async def _admitted(self, stream: FramedStream) -> Principal:
         """The hello of a connection within the connection limits (`limits`); one past them is
         answered a retryable `LimitExceeded` and closed before anything is read."""
         limits = self.settings.limits
@@ -296,16 +300,16 @@ class CacheTierService:
         finally:
             self._handshaking -= 1
 
-    async def _handshake(self, stream: FramedStream) -> Hello:
-        """The first frame must be a hello with our version and the token; any failure is
-        answered with an error frame and ends the connection."""
+    async def _handshake(self, stream: FramedStream) -> Principal:
+        """The first frame must be a hello with our version and a credential for the role it
+        asks; any failure is answered with an error frame and ends the connection."""
         frame = None
         try:
             frame = await self._first_frame(stream)
-            hello = self._check_hello(frame)
+            principal = self._check_hello(frame)
             await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
                                                                   self.settings.server_id)))
-            return hello
+            return principal
         except CacheTierError as exc:
             await send_error(stream, request_id(frame), exc, describe)
             raise
@@ -319,18 +323,20 @@ class CacheTierService:
             raise HandshakeRequired("nothing received within "
                                     f"{self.settings.handshake_timeout_s:g} s") from None
 
-    def _check_hello(self, frame: Any) -> Hello:
+    def _check_hello(self, frame: Any) -> Principal:
         if not isinstance(frame, dict) or frame.get("op") != "hello":
             raise HandshakeRequired("the first frame must be {op: 'hello', id, version, token}")
         hello: Hello = parse_request(frame, op_table(Hello))
         if hello.version != PROTOCOL_VERSION:
             raise VersionMismatch(f"protocol version {hello.version} is not {PROTOCOL_VERSION}")
-        if not hmac.compare_digest(hello.token.encode(), self.settings.token.encode()):
-            raise Unauthorized("bad token")
-        return hello
+        principal = verify(self.settings.secret, hello.token)
+        access.check_connection(principal, hello.role)
+        return principal
 
-    async def _client_call(self, quota: ClientQuota, message: Any) -> Any:
-        """A client's call within its limits (`limits`): sizes, then quotas, then the call."""
+    async def _client_call(self, principal: Principal, quota: ClientQuota, message: Any) -> Any:
+        """A client's call within its role and limits (`access`, `limits`): the role, sizes,
+        quotas, then the call."""
+        access.check_op(principal, message.op)
         pool = getattr(message, "pool", None)
         check_size(message, self.settings.limits, self.config_for(pool) if pool else self.config)
         await quota.admit(message)
@@ -362,12 +368,14 @@ class CacheTierService:
 
     # agents
 
-    async def _serve_agent(self, stream: FramedStream) -> None:
-        """Register the agent, then push it copy batches until its connection ends."""
+    async def _serve_agent(self, stream: FramedStream, principal: Principal) -> None:
+        """Register the agent (for its credential's pool and rank only), then push it copy
+        batches until its connection ends."""
         frame = None
         try:
             frame = await self._first_frame(stream)
             register: Register = parse_request(frame, op_table(Register))
+            access.check_registration(principal, register)
             state, registered = await self._register(register)
         except Exception as exc:
             await send_error(stream, request_id(frame), exc, describe)
@@ -408,7 +416,7 @@ class CacheTierService:
                 await self._invalidate(state, AgentLost(f"pool {msg.pool}: rank {msg.rank} "
                                                         "restarted", [msg.rank]))
         return state, Registered(state.index.epoch, state.config.model, state.config.cache,
-                                 state.index.writes)
+                                 state.index.writes, peer_token(self.settings.secret))
 
     async def _lose_failed(self, state: _Pool, links: list[AgentLink],
                            cause: BaseException) -> None:
@@ -580,6 +588,11 @@ class CacheTierService:
             except Exception as exc:
                 await self._lose_failed(dst, dst_links, exc)
                 raise step_failed(exc) from exc
+
+    async def _invalidate_pool(self, msg: Invalidate) -> int:
+        state = await self._known_pool(msg.pool)
+        await self._invalidate(state, AgentLost(f"pool {msg.pool}: invalidated by an admin", []))
+        return state.index.epoch
 
     async def _health(self, msg: Health) -> HealthReport:
         try:

@@ -3,8 +3,9 @@
 Every frame (`framing`) holds one msgpack map. A request is `{"op", "id", **fields}`; its reply is
 `{"id", "ok": true, "result"}` or `{"id", "ok": false, "error": {"code", "message", "retryable"}}`,
 with id None when the request was too broken to carry one. A connection opens with `hello`
-(version, token, role). A scheduler then sends `plan`, `commit`, `confirm`, `release`, `stats` and
-`health`; an agent sends `register` once and from then on *receives* `copy` requests on the same
+(version, token, role: the token is a credential, `cachetier.credentials`, whose role decides
+which ops the connection may send, `cachetier.service.access`). A scheduler then sends `plan`,
+`commit`, `confirm`, `release`, `stats`, `health` (an admin also `invalidate`); an agent sends `register` once and from then on *receives* `copy` requests on the same
 connection and answers them.
 
 Messages are dataclasses decoded by their type hints (`from_wire`), so a field of the wrong type is
@@ -67,6 +68,7 @@ class Registered:
     model: ModelSpec
     cache: CacheSpec
     writes: int = 0  # the pool's write count (`index.identity`), for the agent's view
+    peer_token: str = ""  # what agents pull each other's pages with (`cachetier.credentials`)
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,15 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Invalidate:
+    """Start the pool over in a new epoch (an admin's op); the reply is the new epoch."""
+
+    op: ClassVar[str] = "invalidate"
+    reply: ClassVar[Any] = int
+    pool: str
+
+
+@dataclass(frozen=True)
 class HealthReport:
     server_id: str
     version: int
@@ -269,7 +280,8 @@ def op_table(*messages: type) -> dict[str, type]:
     return {m.op: m for m in messages}
 
 
-CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health, Route, Pin, Handoff)
+CLIENT_OPS = op_table(Plan, Commit, Confirm, Release, Stats, Health, Route, Pin, Handoff,
+                      Invalidate)
 AGENT_OPS = op_table(CopyBatch, Fence, Fetch)
 
 

@@ -1,0 +1,72 @@
+"""The credentials `cachetier up` generates: one token per principal, each in its own file.
+
+Every token derives from the cluster secret (`cachetier.credentials`); the files live in
+`<run dir>/credentials/` (the directory 0700, each file 0600), named after their principal:
+`admin`, `client`, `observer`, `service`, `agent-<rank>`, `redis-<user>`. A child is handed its
+own token only, through its environment; a user reads `credentials/client` to connect a
+scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from cachetier import credentials
+from cachetier.credentials import Principal, Role, issue
+
+REDIS_USERS = ("cachetier", "replica", "operator")  # see `cachetier.run.redis_auth`
+
+
+def write_private(path: Path, text: str) -> Path:
+    """`text` in a file only its owner can read (created so, never widened for a moment)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    return path
+
+
+@dataclass(frozen=True)
+class ClusterCredentials:
+    """The tokens of one local cluster: its roles and the agents of `pool`'s `ranks`."""
+
+    secret: str
+    pool: str
+    ranks: int
+
+    def token(self, principal: Principal) -> str:
+        return issue(self.secret, principal)
+
+    def role(self, role: Role) -> str:
+        return self.token(Principal(role))
+
+    def agent(self, rank: int) -> str:
+        return self.token(credentials.agent(self.pool, rank))
+
+    def redis_password(self, user: str) -> str:
+        """A Redis ACL user's password, derived like the tokens (one secret to keep)."""
+        return credentials.derive(self.secret, f"redis-user:{user}")
+
+    def mqtt_tokens(self) -> list[str]:
+        """The broker's users: the service, the observer, the admin and every agent."""
+        return [self.role(Role.SERVICE), self.role(Role.OBSERVER), self.role(Role.ADMIN),
+                *(self.agent(rank) for rank in range(self.ranks))]
+
+    def write(self, run_dir: Path) -> Path:
+        """Every credential under `run_dir/credentials`; returns that directory."""
+        directory = run_dir / "credentials"
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        files = {str(role): self.role(role) for role in Role if role is not Role.AGENT}
+        files |= {f"agent-{rank}": self.agent(rank) for rank in range(self.ranks)}
+        files |= {f"redis-{user}": self.redis_password(user) for user in REDIS_USERS}
+        for name, token in files.items():
+            write_private(directory / name, token + "\n")
+        return directory
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
