@@ -127,7 +127,10 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         listen=args.listen, copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
         redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
         redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout,
-        route_from_replicas=args.route_replicas, limits=_limits(args.limit))
+        route_from_replicas=args.route_replicas, limits=_limits(args.limit),
+        redis_user=args.redis_user,
+        redis_password=args.redis_user and _from_env(None, "--redis-user",
+                                                     "CACHETIER_REDIS_PASSWORD"))
     if args.redis_acks is not None and args.redis_acks < 0 or args.redis_ack_timeout < 1:
         raise ConfigError("--redis-acks", "replicas must be >= 0 and the timeout >= 1 ms")
     if args.redis_cluster:
@@ -238,6 +241,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--redis-acks", type=int, metavar="N",
                        help="replicas that must hold a plan, commit, pin or epoch before it is "
                             "answered (WAIT; default 1 with --redis-cluster, 0 with --redis)")
+    serve.add_argument("--redis-user", metavar="NAME",
+                       help="the Redis ACL user to log in as, its password in "
+                            "$CACHETIER_REDIS_PASSWORD (default: Redis' default user)")
     serve.add_argument("--redis-ack-timeout", type=int, default=100, metavar="MS",
                        help="how long a write waits for its replicas (default 100 ms)")
     serve.add_argument("--route-replicas", action="store_true",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -50,12 +50,15 @@ class WriteNotAcknowledged(RedisError):
 class RedisTarget:
     """Where the index lives: `url` (redis://HOST:PORT or unix:///PATH) or `cluster_nodes`
     (some of the cluster's nodes; the rest are discovered). `max_connections` bounds the calls
-    in flight; a call waits up to `wait_s` for one to finish."""
+    in flight; a call waits up to `wait_s` for one to finish. `username`/`password`: the ACL
+    user the service logs in as on every node (None: the default user)."""
 
     url: str = ""
     cluster_nodes: tuple[tuple[str, int], ...] = ()
     max_connections: int = 64
     wait_s: float = 10.0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if bool(self.url) == bool(self.cluster_nodes):
@@ -90,9 +93,11 @@ class BoundedCluster(RedisCluster):
     """`RedisCluster` whose calls in flight are bounded: a call past the bound waits for one to
     finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection."""
 
-    def __init__(self, nodes: tuple[tuple[str, int], ...], bound: int, wait_s: float) -> None:
+    def __init__(self, nodes: tuple[tuple[str, int], ...], bound: int, wait_s: float,
+                 **login: str | None) -> None:
         super().__init__(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-                         max_connections=bound + _SPARE_CONNECTIONS, decode_responses=False)
+                         max_connections=bound + _SPARE_CONNECTIONS, decode_responses=False,
+                         **login)
         self._calls = asyncio.Semaphore(bound)
         self._wait_s = wait_s
         self._refreshing = asyncio.Lock()
@@ -136,10 +141,11 @@ class BoundedCluster(RedisCluster):
 
 def connect(target: RedisTarget) -> RedisClient:
     """The client for `target`; connections open on first use."""
+    login = {"username": target.username, "password": target.password}
     if target.is_cluster:
-        return BoundedCluster(target.cluster_nodes, target.max_connections, target.wait_s)
+        return BoundedCluster(target.cluster_nodes, target.max_connections, target.wait_s, **login)
     pool = BlockingConnectionPool.from_url(target.url, max_connections=target.max_connections,
-                                           timeout=target.wait_s)
+                                           timeout=target.wait_s, **login)
     return Redis(connection_pool=pool)
 
 

@@ -10,12 +10,14 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import redis
 
 UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0"]
 DEMO = [sys.executable, "-m", "cachetier.cli", "demo"]
@@ -76,6 +78,8 @@ def test_ctrl_c_stops_every_process(tmp_path):
         wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
         pids = children(run_dir)
         assert all(running(pid) for pid in pids.values())
+        redis_url = re.search(r"redis (unix://\S+),", console.read_text())[1]
+        check_credentials(run_dir, pids, redis_url)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:
@@ -84,6 +88,32 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert not [name for name, pid in pids.items() if running(pid)]
     for log in ("service.log", "agent-0.log", "agent-1.log", "redis.log", "mosquitto.log"):
         assert "Traceback" not in (run_dir / log).read_text(), log
+
+
+def check_credentials(run_dir: Path, pids: dict[str, int], redis_url: str) -> None:
+    """Every credential in a file only its owner reads; each child holds its own only: the
+    service the secret and its Redis password, each agent its rank's token, none on a command
+    line; Redis refuses its default user."""
+    directory = run_dir / "credentials"
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    files = {path.name: path for path in directory.iterdir()}
+    assert {"admin", "client", "observer", "service", "agent-0", "agent-1"} <= set(files)
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in files.values())
+    tokens = {path.read_text().strip() for path in files.values()}
+    for name in ("service", "agent-0", "agent-1"):
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pids[name]}/environ")
+                       .read_text().split("\0") if "=" in item)
+        held = {k: v for k, v in environ.items() if k.startswith("CACHETIER_")}
+        if name == "service":
+            assert held["CACHETIER_REDIS_PASSWORD"] == files["redis-cachetier"].read_text().strip()
+            assert set(held) == {"CACHETIER_SECRET", "CACHETIER_REDIS_PASSWORD"}
+            assert held["CACHETIER_SECRET"] not in tokens
+        else:
+            assert held == {"CACHETIER_TOKEN": files[name].read_text().strip()}, name
+        command_line = Path(f"/proc/{pids[name]}/cmdline").read_text()
+        assert not [t for t in tokens | set(held.values()) if t in command_line], name
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(redis_url).ping()
 
 
 def test_a_dead_agent_stops_the_cluster_without_orphans(tmp_path):
@@ -108,7 +138,7 @@ def test_up_with_a_redis_cluster_serves_and_stops_every_node(tmp_path):
     there, a prompt served twice hits), and Ctrl-C stops every node with the rest."""
     run_dir, console = tmp_path / "run", tmp_path / "console.txt"
     with open(console, "wb") as out:
-        proc = subprocess.Popen([*UP, "--agents", "1", "--redis-cluster", "3x1", "--secret", "t",
+        proc = subprocess.Popen([*UP, "--agents", "1", "--redis-cluster", "3x1",
                                  "--run-dir", str(run_dir)], stdout=out, stderr=out)
     try:
         wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
@@ -116,7 +146,9 @@ def test_up_with_a_redis_cluster_serves_and_stops_every_node(tmp_path):
         assert {f"redis-{i}" for i in range(6)} <= set(pids) and "redis" not in pids
         assert all(running(pid) for pid in pids.values())
         url = re.search(r"service (\S+) ", console.read_text())[1]
-        hits = subprocess.run([sys.executable, "-c", SERVE_TWICE, url], capture_output=True,
+        token = (run_dir / "credentials" / "client").read_text().strip()
+        hits = subprocess.run([sys.executable, "-c", SERVE_TWICE, url],
+                              env={**os.environ, "TOKEN": token}, capture_output=True,
                               text=True, timeout=60, check=False)
         assert hits.returncode == 0 and hits.stdout.split() == ["0", "96"], hits.stderr
         proc.send_signal(signal.SIGINT)
@@ -131,12 +163,12 @@ def test_up_with_a_redis_cluster_serves_and_stops_every_node(tmp_path):
 
 
 SERVE_TWICE = """
-import asyncio, sys
+import asyncio, os, sys
 from cachetier.client import CacheTierClient
 from index.lifecycle import RequestLifecycle
 from tests.index_harness import commit_item, new_request, only
 async def main():
-    async with CacheTierClient(sys.argv[1], token="t", timeout=10) as tier:
+    async with CacheTierClient(sys.argv[1], token=os.environ["TOKEN"], timeout=10) as tier:
         for rid in ("a", "b"):
             tokens = list(range(100)) + ([1] if rid == "b" else [])
             async with RequestLifecycle(tier.pool("pool0")) as steps:

@@ -37,6 +37,7 @@ from cachetier.credentials import Role
 from cachetier.errors import CacheTierError
 from cachetier.run.credential_files import ClusterCredentials
 from cachetier.run.mqtt_auth import BrokerAuth
+from cachetier.run.redis_auth import RedisAcl
 from cachetier.run.redis_cluster import ClusterNode, ClusterShape, LocalRedisCluster
 from cachetier.run.redis_memory import index_maxmemory
 from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
@@ -162,10 +163,13 @@ class Cluster:
         self.run_dir = settings.run_dir
         maxmemory = index_maxmemory([settings.config])
         self.credentials = ClusterCredentials(settings.secret, POOL, settings.agents)
+        password = self.credentials.redis_password
+        acl = RedisAcl(password("cachetier"), password("replica"), password("operator"))
         self.redis = _DurableRedis(log_file=self.run_dir / "redis.log",
-                                   data_dir=self.run_dir / "redis-data", maxmemory=maxmemory)
+                                   data_dir=self.run_dir / "redis-data", maxmemory=maxmemory,
+                                   acl=acl)
         self.redis_cluster = None if settings.redis_cluster is None else LocalRedisCluster(
-            settings.redis_cluster, maxmemory=maxmemory,
+            settings.redis_cluster, maxmemory=maxmemory, acl=acl,
             make_node=lambda i: _LoggedClusterNode(log_file=self.run_dir / f"redis-{i}.log"))
         self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log",
                                      auth=BrokerAuth.of(self.credentials.mqtt_tokens()))
@@ -195,9 +199,12 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.credentials.write(self.run_dir)
         self._record("mosquitto", self._stack.enter_context(self.mqtt).pid)
-        service = self._spawn("service", {"CACHETIER_SECRET": self.settings.secret}, [
-            "serve", *self._start_redis(), "--listen", f"tcp://127.0.0.1:{self.settings.port}",
-            *self._node_args(), *self.settings.serve_config_args])
+        service = self._spawn("service", {
+            "CACHETIER_SECRET": self.settings.secret,
+            "CACHETIER_REDIS_PASSWORD": self.credentials.redis_password("cachetier")}, [
+            "serve", *self._start_redis(), "--redis-user", "cachetier",
+            "--listen", f"tcp://127.0.0.1:{self.settings.port}", *self._node_args(),
+            *self.settings.serve_config_args])
         url = service.wait_for(_LISTENING, self.settings.startup_timeout_s)[1]
         self.service_url = url.decode()
         for rank in range(self.settings.agents):

@@ -14,6 +14,7 @@ the promoted master still has one.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -24,6 +25,7 @@ from typing import Self
 
 import redis
 
+from cachetier.run.redis_auth import RedisAcl
 from cachetier.run.servers import LOOPBACK, RedisServer, find_binary, free_port
 
 _READY_TIMEOUT_S = 30.0
@@ -86,6 +88,7 @@ class LocalRedisCluster:
     node_timeout_ms: int = 1000
     make_node: Callable[[int], ClusterNode] | None = None  # node i (None: a plain ClusterNode)
     maxmemory: int = 1 << 30  # per node (`RedisServer.maxmemory`): each may hold every pool
+    acl: RedisAcl | None = None  # every node's users (`run.redis_auth`); replicas log in
     nodes: list[ClusterNode] = field(default_factory=list, init=False)
 
     @property
@@ -100,6 +103,7 @@ class LocalRedisCluster:
                 node.node_timeout_ms = self.node_timeout_ms
                 node.min_replicas = min(1, self.shape.replicas)
                 node.maxmemory = self.maxmemory
+                node.acl = self.acl
                 self.nodes.append(node)
                 node.start()
             self._create()
@@ -124,7 +128,12 @@ class LocalRedisCluster:
         command = [find_binary("redis-cli"), "--cluster", "create",
                    *(node.address for node in self.nodes),
                    "--cluster-replicas", str(self.shape.replicas), "--cluster-yes"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        env = None
+        if self.acl is not None:  # the password from the environment, not the command line
+            command += ["--user", "operator"]
+            env = {**os.environ, "REDISCLI_AUTH": self.acl.operator}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False,
+                              env=env)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(command)}` failed:\n{done.stdout}{done.stderr}")
 

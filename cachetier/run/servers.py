@@ -28,6 +28,7 @@ import redis
 
 if TYPE_CHECKING:
     from cachetier.run.mqtt_auth import BrokerAuth
+    from cachetier.run.redis_auth import RedisAcl
 
 LOOPBACK = "127.0.0.1"
 _STOP_TIMEOUT_S = 5.0
@@ -177,7 +178,8 @@ class ChildServer:
 @dataclass(kw_only=True)
 class RedisServer(ChildServer):
     """A redis-server with persistence off, on a unix socket (default) or a loopback TCP port,
-    bounded by `maxmemory` with `noeviction`."""
+    bounded by `maxmemory` with `noeviction`; with `acl`, its default user off and the users of
+    `run.redis_auth` (`client()` logs in as the operator)."""
 
     name: ClassVar[str] = "redis"
     install_hint: ClassVar[str] = "install it with `apt-get install redis-server` or run bin/setup"
@@ -187,6 +189,7 @@ class RedisServer(ChildServer):
     # Redis refuses writes past this rather than evict index keys (`run.redis_memory`); the
     # default is for throwaway servers (tests, benchmarks); `cachetier up` sizes it from the pools
     maxmemory: int = 1 << 30
+    acl: RedisAcl | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -203,13 +206,16 @@ class RedisServer(ChildServer):
             listen = ["--port", str(self.port), "--bind", LOOPBACK]
         else:
             listen = ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
-        return [self.binary, *listen, "--save", "", "--appendonly", "no", "--dir", str(workdir),
-                "--daemonize", "no", "--logfile", "", "--maxmemory", str(self.maxmemory),
-                "--maxmemory-policy", "noeviction"]
+        auth = [] if self.acl is None else [str(self.acl.write(workdir))]  # a config file first
+        return [self.binary, *auth, *listen, "--save", "", "--appendonly", "no",
+                "--dir", str(workdir), "--daemonize", "no", "--logfile", "",
+                "--maxmemory", str(self.maxmemory), "--maxmemory-policy", "noeviction"]
 
     def client(self) -> redis.Redis:
         """A blocking client, for setting up and inspecting the server."""
-        return redis.Redis.from_url(self.url, socket_timeout=2.0)
+        login = {} if self.acl is None else {"username": "operator",
+                                             "password": self.acl.operator}
+        return redis.Redis.from_url(self.url, socket_timeout=2.0, **login)
 
     def _connect(self) -> socket.socket:
         if self.tcp:
@@ -224,6 +230,12 @@ class RedisServer(ChildServer):
         return sock
 
     def _answers(self) -> bool:
+        if self.acl is not None:
+            try:
+                with self.client() as client:
+                    return bool(client.ping())
+            except redis.RedisError:
+                return False
         try:
             with self._connect() as sock:
                 sock.sendall(b"PING\r\n")

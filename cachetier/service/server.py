@@ -106,9 +106,13 @@ class ServiceSettings:
     # `route` reads its probes on the shards' replicas (`index.routing`); a cluster only
     route_from_replicas: bool = False
     limits: ServiceLimits = field(default_factory=ServiceLimits)  # per connection and call
+    # the ACL user the service logs in to Redis as (`run.redis_auth`); None: the default user
+    redis_user: str | None = None
+    redis_password: str | None = field(default=None, repr=False)
 
     def redis_target(self) -> RedisTarget:
-        bounds = {"max_connections": self.redis_connections, "wait_s": self.redis_wait_s}
+        bounds = {"max_connections": self.redis_connections, "wait_s": self.redis_wait_s,
+                  "username": self.redis_user, "password": self.redis_password}
         if self.redis_cluster:
             return RedisTarget.cluster(self.redis_cluster, **bounds)
         return RedisTarget(url=self.redis_url, **bounds)

@@ -1,0 +1,70 @@
+"""The Redis the project starts (`cachetier.run.redis_auth`): no default user, the service's own
+user with the commands it uses only, and the service working through it.
+
+The red-team finding this guards: Redis ran with the default user, no password, `+@all`. The Redis
+Cluster of `up --redis-cluster` (replicas logging in to their masters as `replica`) is checked by
+tests/test_cluster.py, which serves a prompt on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from cachetier.client import CacheTierClient
+from cachetier.run.redis_auth import RedisAcl
+from cachetier.run.servers import RedisServer
+from index.lifecycle import RequestLifecycle
+from tests.cluster_harness import BLOCK, TOKEN, running_agent, running_service
+from tests.index_harness import commit_item, new_request, only
+
+ACL = RedisAcl(service="service-pw", replica="replica-pw", operator="operator-pw")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer(acl=ACL) as started:
+        yield started
+
+
+def login(server: RedisServer, username: str | None = None,
+          password: str | None = None) -> redis.Redis:
+    return redis.Redis.from_url(server.url, username=username, password=password,
+                                socket_timeout=2.0)
+
+
+def test_the_default_user_and_wrong_passwords_are_refused(server):
+    for username, password in ((None, None), ("default", ""), ("cachetier", "wrong"),
+                               ("operator", "service-pw")):
+        with pytest.raises(redis.AuthenticationError):
+            login(server, username, password).ping()
+
+
+@pytest.mark.parametrize("command", [("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"),
+                                     ("SCRIPT", "FLUSH"), ("SET", "ct:{p}:meta", "x"),
+                                     ("HGET", "other", "f"), ("ACL", "LIST"),
+                                     ("EVAL", "return redis.call('FLUSHALL')", "0")])
+def test_the_service_user_runs_nothing_it_does_not_need(server, command):
+    with pytest.raises(redis.ResponseError, match="(?i)permission|can't run this command"):
+        login(server, "cachetier", "service-pw").execute_command(*command)
+
+
+async def test_the_service_serves_through_its_own_user(server):
+    tokens = list(range(6 * BLOCK))
+    async with running_service(server.url, redis_user="cachetier",
+                               redis_password="service-pw") as service, \
+            running_agent(service.url), CacheTierClient(service.url, token=TOKEN) as tier:
+        hits = []
+        for rid, prompt in (("a", tokens), ("b", tokens + [1])):
+            async with RequestLifecycle(tier.pool("p")) as steps:
+                step = only(await steps.plan([new_request(rid, prompt, len(prompt), BLOCK)]))
+                await steps.finish([commit_item(step, len(prompt), True, True, BLOCK)])
+            hits.append(step.hit_tokens)
+        assert hits == [0, len(tokens)]
+        assert (await tier.health()).redis
+        assert (await tier.stats("p")).requests == 0
+    with server.client() as operator:
+        assert operator.keys("ct:*")  # the pool is there, written by the service's user
+        operator.flushall()
