@@ -122,15 +122,15 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.run.nodes import run_service
     from cachetier.service.server import ServiceSettings
     settings = ServiceSettings(
-        redis_url=args.redis or "", secret=_from_env(args.secret, "--secret", "CACHETIER_SECRET"),
+        redis_url=args.redis or "", secret=_secret(args, "secret", "CACHETIER_SECRET"),
         config=config_from_args(args),
         listen=args.listen, copy_timeout_s=args.copy_timeout, max_frame=args.max_frame,
         redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
         redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout,
         route_from_replicas=args.route_replicas, limits=_limits(args.limit),
         redis_user=args.redis_user,
-        redis_password=args.redis_user and _from_env(None, "--redis-user",
-                                                     "CACHETIER_REDIS_PASSWORD"))
+        redis_password=args.redis_user and _secret(args, "redis_password",
+                                                   "CACHETIER_REDIS_PASSWORD"))
     if args.redis_acks is not None and args.redis_acks < 0 or args.redis_ack_timeout < 1:
         raise ConfigError("--redis-acks", "replicas must be >= 0 and the timeout >= 1 ms")
     if args.redis_cluster:
@@ -161,20 +161,33 @@ def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
         raise ConfigError("--torch-threads", "must be >= 1")
     settings = AgentSettings(
         services=tuple(args.service), pool=args.pool,
-        token=_from_env(args.token, "--token", "CACHETIER_TOKEN"), rank=args.rank,
+        token=_secret(args, "token", "CACHETIER_TOKEN"), rank=args.rank,
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
         max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen,
         torch_threads=args.torch_threads)
     return _run_until_signal(run_agent(settings, args.mqtt), args.log_level)
 
 
-def _from_env(value: str | None, flag: str, variable: str) -> str:
-    """A secret from its flag or, better (a command line is visible to every local user), from
-    the environment."""
+def _secret(args: argparse.Namespace, name: str, variable: str, required: bool = True) -> str:
+    """A secret from `--NAME-file` (compose's secrets), `--NAME` or the environment; a file or
+    the environment keeps it off the command line, which every local user can read."""
+    flag = f"--{name.replace('_', '-')}"
+    path = getattr(args, f"{name}_file", None)
+    try:
+        value = path.read_text().strip() if path else getattr(args, name, None)
+    except OSError as exc:
+        raise ConfigError(f"{flag}-file", str(exc)) from None
     value = value or os.environ.get(variable, "")
-    if not value:
-        raise ConfigError(flag, f"required (or set {variable})")
+    if required and not value:
+        raise ConfigError(flag, f"required (or {flag}-file, or set {variable})")
     return value
+
+
+def _add_secret_arguments(parser: argparse.ArgumentParser, name: str, what: str,
+                          variable: str) -> None:
+    flag = f"--{name.replace('_', '-')}"
+    parser.add_argument(flag, help=f"{what} (default: ${variable})")
+    parser.add_argument(f"{flag}-file", type=Path, metavar="PATH", help=f"a file holding {what}")
 
 
 def registry_names(text: str, flag: str, kind: str, registry: Sequence[str], *,
@@ -242,8 +255,9 @@ def _add_serve_parser(commands: Any) -> None:
                        help="replicas that must hold a plan, commit, pin or epoch before it is "
                             "answered (WAIT; default 1 with --redis-cluster, 0 with --redis)")
     serve.add_argument("--redis-user", metavar="NAME",
-                       help="the Redis ACL user to log in as, its password in "
-                            "$CACHETIER_REDIS_PASSWORD (default: Redis' default user)")
+                       help="the Redis ACL user to log in as (default: Redis' default user)")
+    _add_secret_arguments(serve, "redis_password", "the Redis user's password",
+                          "CACHETIER_REDIS_PASSWORD")
     serve.add_argument("--redis-ack-timeout", type=int, default=100, metavar="MS",
                        help="how long a write waits for its replicas (default 100 ms)")
     serve.add_argument("--route-replicas", action="store_true",
@@ -262,8 +276,8 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                        help="change one of the service's limits (cachetier/service/limits.py: "
                        "idle_timeout_s, max_release_ids, max_held_requests, ...); repeatable")
-    serve.add_argument("--secret", help="the cluster secret every credential derives from "
-                                        "(default: $CACHETIER_SECRET)")
+    _add_secret_arguments(serve, "secret", "the cluster secret every credential derives from",
+                          "CACHETIER_SECRET")
     add_config_arguments(serve)
     _add_node_arguments(serve)
     serve.set_defaults(handler=_serve)
@@ -285,8 +299,8 @@ def _add_agent_parser(commands: Any) -> None:
     agent.add_argument("--torch-threads", type=int, default=1, metavar="N",
                        help="torch CPU threads in this agent (default: 1, so agents sharing cores "
                             "do not oversubscribe them)")
-    agent.add_argument("--token", help="this agent's credential, bound to its pool and rank "
-                                       "(default: $CACHETIER_TOKEN)")
+    _add_secret_arguments(agent, "token", "this agent's credential, bound to its pool and rank",
+                          "CACHETIER_TOKEN")
     _add_node_arguments(agent)
     agent.set_defaults(handler=_agent)
 
@@ -513,7 +527,7 @@ def _events_vllm(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.events.vllm_events import VllmEventMapping
     from cachetier.run.nodes import logged_in
     mapping = VllmEventMapping.for_model(config_from_args(args).model)
-    token = args.token or os.environ.get("CACHETIER_TOKEN", "")
+    token = _secret(args, "token", "CACHETIER_TOKEN", required=False)
     mqtt = logged_in(args.mqtt, token) if token else args.mqtt
     return _run_until_signal(run_bridge(mqtt, args.pool, args.endpoint, args.replay_endpoint,
                                         mapping=mapping, ready=_announce_bridge), args.log_level)
@@ -541,11 +555,35 @@ def _add_events_parser(commands: Any) -> None:
                            "a subscriber that binds")
     vllm.add_argument("--replay-endpoint", metavar="URL",
                       help="where vLLM's ROUTER socket binds for replay requests")
-    vllm.add_argument("--token", help="an observer's credential, the broker's login (default: "
-                                      "$CACHETIER_TOKEN; none: anonymous)")
+    _add_secret_arguments(vllm, "token", "an observer's credential, the broker's login (none: "
+                          "anonymous)", "CACHETIER_TOKEN")
     vllm.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     add_config_arguments(vllm)  # the model: which vLLM spec kind the full-attention group is
     vllm.set_defaults(handler=_events_vllm)
+
+
+def _credentials(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.run.cluster import POOL
+    from cachetier.run.compose_credentials import write_compose_credentials
+    from cachetier.run.credential_files import ClusterCredentials
+    if args.agents < 1:
+        raise ConfigError("--agents", "must be >= 1")
+    secret = os.environ.get("CACHETIER_SECRET", "")
+    if len(secret) < 32:
+        raise ConfigError("CACHETIER_SECRET", "set it to a random secret of 32 characters or "
+                          "more, e.g. $(python -c 'import secrets; print(secrets.token_hex(32))')")
+    written = write_compose_credentials(ClusterCredentials(secret, POOL, args.agents), args.dir)
+    print(f"wrote {len(written)} files to {args.dir}: {' '.join(p.name for p in written)}")
+    return 0
+
+
+def _add_credentials_parser(commands: Any) -> None:
+    parser = commands.add_parser("credentials", help="write the secret files docker-compose.yml "
+                                                     "mounts, from $CACHETIER_SECRET")
+    parser.add_argument("dir", type=Path, metavar="DIR")
+    parser.add_argument("--agents", type=int, default=2, metavar="N",
+                        help="agents of pool pool0: its tensor-parallel ranks (default 2)")
+    parser.set_defaults(handler=_credentials)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -570,6 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_parser(commands)
     _add_trace_parser(commands)
     _add_events_parser(commands)
+    _add_credentials_parser(commands)
     return parser
 
 

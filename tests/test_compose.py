@@ -3,13 +3,15 @@
 Debian's docker-compose (v1) validates the file against its schema and prints it normalised, with
 the variables substituted, without talking to an engine; bin/setup installs it, so a missing binary
 is a failure here, not a skip. The checks pin what the cluster needs: AOF on, the GPU reservations,
-one token, one set of addresses and one tensor-parallel degree shared by the service and its
-agents, and commands the real CLI accepts, on its default port.
+one set of addresses and one tensor-parallel degree shared by the service and its agents, commands
+the real CLI accepts, on its default port, and credentials with no default, each container
+mounting its own secret files only (the red-team finding: the file shipped a default token).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,12 +21,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cachetier.cli import build_parser
+from cachetier.cli import build_parser, main
 from cachetier.events.mqtt import BrokerAddress
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-DEFAULT_TOKEN = "cachetier-dev-token"
+CREDENTIALS = "/srv/cachetier-secrets"  # where `cachetier credentials` wrote them
 AGENTS = {"agent-gpu0": 0, "agent-gpu1": 1}
 CLUSTER_NODES = [f"redis-node-{i}" for i in range(9)]  # profile "cluster": 3 masters x 2 replicas
 CLI_DEFAULT_LISTEN = build_parser().parse_args(["serve", "--redis", "redis://r"]).listen
@@ -50,7 +52,7 @@ def load_config(**env: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, Any]:
-    return load_config()["services"]
+    return load_config(CACHETIER_CREDENTIALS=CREDENTIALS)["services"]
 
 
 def argv(service: dict[str, Any]) -> list[str]:
@@ -64,9 +66,13 @@ def flags(service: dict[str, Any]) -> dict[str, str]:
     return {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
 
 
-def test_the_file_is_valid_and_needs_no_variable() -> None:
+def test_the_file_is_valid_and_has_no_default_credentials() -> None:
     result = docker_compose("config", "--quiet")
+    assert result.returncode != 0 and "set CACHETIER_CREDENTIALS" in result.stderr
+    result = docker_compose("config", "--quiet", CACHETIER_CREDENTIALS=CREDENTIALS)
     assert (result.returncode, result.stderr) == (0, "")
+    defaults = set(re.findall(r"\$\{(\w+):-", COMPOSE_FILE.read_text()))
+    assert defaults == {"CACHETIER_PRESET", "CACHETIER_REDIS"}  # no secret has a default
 
 
 def test_a_missing_docker_compose_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +93,8 @@ def test_the_cluster_profile_runs_the_settings_the_index_needs(services: dict[st
         node = services[name]
         assert node["image"] == "redis:7" and node["profiles"] == ["cluster"]
         assert flags(node) | {"--cluster-node-timeout": "?"} == {
-            "--cluster-enabled": "yes", "--cluster-config-file": "nodes.conf",
+            "--aclfile": "/run/secrets/redis-users.acl",
+            "--include": "/run/secrets/redis-replica.conf", "--cluster-enabled": "yes", "--cluster-config-file": "nodes.conf",
             "--cluster-node-timeout": "?", "--min-replicas-to-write": "1",
             "--repl-diskless-sync-delay": "0", "--appendonly": "yes", "--appendfsync": "everysec"}
         assert int(flags(node)["--cluster-node-timeout"]) <= 5000
@@ -101,7 +108,8 @@ def test_the_cluster_profile_runs_the_settings_the_index_needs(services: dict[st
 
 def test_the_service_takes_the_cluster_from_the_environment() -> None:
     nodes = ",".join(f"{name}:6379" for name in CLUSTER_NODES[:3])
-    services = load_config(CACHETIER_REDIS=f"--redis-cluster {nodes}")["services"]
+    services = load_config(CACHETIER_REDIS=f"--redis-cluster {nodes}",
+                           CACHETIER_CREDENTIALS=CREDENTIALS)["services"]
     words = argv(services["service"])
     assert "--redis" not in words and flags(services["service"])["--redis-cluster"] == nodes
     build_parser().parse_args(words[1:])
@@ -115,10 +123,10 @@ def test_redis_persists_with_aof(services: dict[str, Any]) -> None:
     assert "ports" not in redis  # only the service talks to it
 
 
-def test_mosquitto_accepts_the_compose_network(services: dict[str, Any]) -> None:
+def test_mosquitto_runs_the_written_configuration(services: dict[str, Any]) -> None:
     mosquitto = services["mosquitto"]
     assert mosquitto["image"] == "eclipse-mosquitto:2"
-    assert argv(mosquitto) == ["mosquitto", "-c", "/mosquitto-no-auth.conf"]
+    assert argv(mosquitto) == ["mosquitto", "-c", "/run/secrets/mosquitto.conf"]
     assert mosquitto["ports"] == ["127.0.0.1:1883:1883/tcp"]
 
 
@@ -126,10 +134,11 @@ def test_the_service(services: dict[str, Any]) -> None:
     service = services["service"]
     assert service["build"]["context"] == str(ROOT)
     assert argv(service)[:2] == ["cachetier", "serve"]
-    assert flags(service) | {"--token": "?"} == {
+    assert flags(service) == {
         "--redis": "redis://redis:6379", "--listen": f"tcp://0.0.0.0:{SERVICE_PORT}",
-        "--mqtt": "mqtt://mosquitto:1883", "--token": "?", "--preset": "tiny",
-        "--set": f"model.tp_degree={len(AGENTS)}"}
+        "--mqtt": "mqtt://mosquitto:1883", "--secret-file": "/run/secrets/secret",
+        "--redis-user": "cachetier", "--redis-password-file": "/run/secrets/redis-cachetier",
+        "--preset": "tiny", "--set": f"model.tp_degree={len(AGENTS)}"}
     assert service["ports"] == [f"127.0.0.1:{SERVICE_PORT}:{SERVICE_PORT}/tcp"]
     assert service["depends_on"]["redis"] == {"condition": "service_healthy"}
     assert BrokerAddress.parse(flags(service)["--mqtt"]) == BrokerAddress("mosquitto", 1883)
@@ -139,10 +148,11 @@ def test_the_service(services: dict[str, Any]) -> None:
 def test_one_agent_per_gpu(services: dict[str, Any], name: str) -> None:
     agent, gpu = services[name], AGENTS[name]
     assert argv(agent)[:2] == ["cachetier", "agent"]
-    assert flags(agent) | {"--token": "?"} == {
+    assert flags(agent) == {
         "--service": f"tcp://service:{SERVICE_PORT}", "--pool": "pool0", "--rank": str(gpu),
         "--tp-degree": str(len(AGENTS)), "--device": "cuda:0",
-        "--mqtt": flags(services["service"])["--mqtt"], "--token": "?"}
+        "--mqtt": flags(services["service"])["--mqtt"],
+        "--token-file": f"/run/secrets/agent-{gpu}"}
     assert agent["deploy"]["resources"]["reservations"]["devices"] == [
         {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}]
     assert agent["image"] == services["service"]["image"]
@@ -156,20 +166,38 @@ def test_the_cli_accepts_each_command(services: dict[str, Any], name: str) -> No
     build_parser().parse_args(words[1:])  # exits (SystemExit) on an unknown or missing flag
 
 
-def test_one_token_and_preset_for_the_whole_cluster(services: dict[str, Any]) -> None:
-    assert_cluster_settings(services, DEFAULT_TOKEN, "tiny")
+def test_the_preset_comes_from_the_environment() -> None:
+    services = load_config(CACHETIER_PRESET="kimi-k3",
+                           CACHETIER_CREDENTIALS=CREDENTIALS)["services"]
+    assert flags(services["service"])["--preset"] == "kimi-k3"
 
 
-def test_token_and_preset_come_from_the_environment() -> None:
-    services = load_config(CACHETIER_TOKEN="s3cret", CACHETIER_PRESET="kimi-k3")["services"]
-    assert_cluster_settings(services, "s3cret", "kimi-k3")
+MOUNTS = {"service": {"secret", "redis-cachetier"}, "agent-gpu0": {"agent-0"},
+          "agent-gpu1": {"agent-1"}, "redis": {"redis-users.acl"},
+          "mosquitto": {"mosquitto.conf", "mosquitto.passwd", "mosquitto.acl"},
+          "redis-cluster-init": {"redis-operator"},
+          **{node: {"redis-users.acl", "redis-replica.conf"} for node in CLUSTER_NODES}}
 
 
-def assert_cluster_settings(services: dict[str, Any], token: str, preset: str) -> None:
-    assert flags(services["service"])["--preset"] == preset
-    for name in ("service", *AGENTS):
-        assert flags(services[name])["--token"] == token, name
-        assert services[name]["environment"] == {"CACHETIER_TOKEN": token}, name
+def test_each_container_mounts_its_own_secrets_only(services: dict[str, Any]) -> None:
+    for name, service in services.items():
+        mounted = {secret["source"] for secret in service.get("secrets", [])}
+        assert mounted == MOUNTS[name], name
+        assert not [k for k in service.get("environment", {}) if k.startswith("CACHETIER_")]
+
+
+def test_cachetier_credentials_writes_every_file_compose_mounts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CACHETIER_SECRET", "s" * 31)
+    assert main(["credentials", str(tmp_path / "short")]) == 2  # a guessable secret is refused
+    monkeypatch.setenv("CACHETIER_SECRET", "s" * 64)
+    assert main(["credentials", str(tmp_path / "secrets"), "--agents", str(len(AGENTS))]) == 0
+    written = {path.name: path for path in (tmp_path / "secrets").iterdir()}
+    files = load_config(CACHETIER_CREDENTIALS=str(tmp_path / "secrets"))["secrets"]
+    assert {Path(f["file"]).name for f in files.values()} <= set(written)
+    assert all(path.stat().st_mode & 0o077 == 0 for path in written.values())
+    conf = written["mosquitto.conf"].read_text()
+    assert "allow_anonymous false" in conf and "/run/secrets/mosquitto.passwd" in conf
+    assert written["redis-users.acl"].read_text().startswith("user default off")
 
 
 def test_dockerfile_installs_the_lock_on_python_3_11_slim() -> None:

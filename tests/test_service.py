@@ -447,8 +447,9 @@ def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
 async def test_cli_serve_and_agent_end_to_end(tmp_path):
     handle_file = tmp_path / "pool.handle"
     with RedisServer() as redis_server:
+        (tmp_path / "secret").write_text(SECRET + "\n")  # compose's way: a secret file
         serve = cli("serve", "--redis", redis_server.url, "--listen", "tcp://127.0.0.1:0",
-                    "--preset", "tiny", CACHETIER_SECRET=SECRET)
+                    "--preset", "tiny", "--secret-file", str(tmp_path / "secret"))
         agent = None
         try:
             url = (await read_reply(serve, r"listening on (\S+)"))[1]

@@ -10,7 +10,6 @@ scheduler.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +54,10 @@ class ClusterCredentials:
         return [self.role(Role.SERVICE), self.role(Role.OBSERVER), self.role(Role.ADMIN),
                 *(self.agent(rank) for rank in range(self.ranks))]
 
-    def write(self, run_dir: Path) -> Path:
-        """Every credential under `run_dir/credentials`; returns that directory."""
-        directory = run_dir / "credentials"
+    def write(self, run_dir: Path, subdirectory: str | None = "credentials") -> Path:
+        """Every token and Redis password under `run_dir/subdirectory` (the secret itself is
+        not written); returns that directory."""
+        directory = run_dir if subdirectory is None else run_dir / subdirectory
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
         files = {str(role): self.role(role) for role in Role if role is not Role.AGENT}
@@ -66,7 +66,3 @@ class ClusterCredentials:
         for name, token in files.items():
             write_private(directory / name, token + "\n")
         return directory
-
-
-def new_secret() -> str:
-    return secrets.token_hex(32)
