@@ -128,7 +128,7 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         redis_connections=args.redis_connections, redis_cluster=args.redis_cluster or "",
         redis_acks=args.redis_acks, redis_ack_timeout_ms=args.redis_ack_timeout,
         route_from_replicas=args.route_replicas, limits=_limits(args.limit),
-        redis_user=args.redis_user,
+        redis_user=args.redis_user, redis_tls_ca=args.redis_tls_ca,
         redis_password=args.redis_user and _secret(args, "redis_password",
                                                    "CACHETIER_REDIS_PASSWORD"))
     if args.redis_acks is not None and args.redis_acks < 0 or args.redis_ack_timeout < 1:
@@ -254,6 +254,9 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--redis-acks", type=int, metavar="N",
                        help="replicas that must hold a plan, commit, pin or epoch before it is "
                             "answered (WAIT; default 1 with --redis-cluster, 0 with --redis)")
+    serve.add_argument("--redis-tls-ca", metavar="PATH",
+                       help="with --redis-cluster: the nodes speak TLS, verified against this CA "
+                            "(one server: rediss://HOST:PORT?ssl_ca_certs=PATH)")
     serve.add_argument("--redis-user", metavar="NAME",
                        help="the Redis ACL user to log in as (default: Redis' default user)")
     _add_secret_arguments(serve, "redis_password", "the Redis user's password",
@@ -263,7 +266,8 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--route-replicas", action="store_true",
                        help="route reads its probes on the shards' replicas (a cluster)")
     serve.add_argument("--listen", default="tcp://127.0.0.1:7400", metavar="URL",
-                       help="tcp://HOST:PORT (port 0: any free port) or unix:///PATH")
+                       help="tcp://HOST:PORT (port 0: any free port), unix:///PATH, or with TLS "
+                            "tls://HOST:PORT?cert=PATH&key=PATH[&ca=PATH]")
     serve.add_argument("--copy-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="how long a step waits for the agents' copy acks")
     serve.add_argument("--redis-connections", type=int, default=64)
@@ -321,7 +325,7 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
         raise ConfigError("--redis-cluster", str(exc)) from None
     return ClusterSettings(run_dir=run_dir.resolve(), secret=args.secret or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
-                           port=args.port, redis_cluster=redis_cluster)
+                           port=args.port, redis_cluster=redis_cluster, tls=args.tls)
 
 
 def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -346,7 +350,7 @@ def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
                                  port=args.port, agents=1 if args.agents is None else args.agents,
                                  pool_pages=args.pool_pages, hash_unit=args.vllm_hash_unit,
                                  kv_events_endpoint=args.kv_events_endpoint,
-                                 overrides=args.overrides)
+                                 overrides=args.overrides, tls=args.tls)
 
 
 def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -371,6 +375,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
                         help=f"service TCP port (0: any free port; default {port})")
     parser.add_argument("--secret", help="the cluster secret the credentials are derived from "
                                          "(default: a new random one)")
+    parser.add_argument("--tls", action="store_true",
+                        help="TLS on every link (the service, Redis, the broker), under a CA made "
+                             "for the run (tls/ca.pem in the run directory)")
     parser.add_argument("--run-dir", type=Path, metavar="DIR",
                         help="logs, pids.json and redis data (default: runs/<timestamp>)")
     add_config_arguments(parser)

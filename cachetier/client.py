@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import ssl
 from typing import Any, Sequence
 
 from cachetier.errors import BrokenStream, ConnectionLost
@@ -122,13 +123,16 @@ class CacheTierClient:
 
     async def _connect(self) -> Channel:
         """Connect and handshake, retrying refused connections with backoff until
-        `connect_timeout`; a refused handshake (token, version) is not retried."""
+        `connect_timeout`; a refused handshake (token, version, a server certificate the
+        client's CA did not sign) is not retried."""
         delay = 0.02
         try:
             async with asyncio.timeout(self.connect_timeout):
                 while True:
                     try:
                         return await self._handshake()
+                    except ssl.SSLCertVerificationError:
+                        raise
                     except (OSError, ConnectionLost, BrokenStream):
                         await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                         delay = min(2 * delay, 1.0)

@@ -51,7 +51,9 @@ class RedisTarget:
     """Where the index lives: `url` (redis://HOST:PORT or unix:///PATH) or `cluster_nodes`
     (some of the cluster's nodes; the rest are discovered). `max_connections` bounds the calls
     in flight; a call waits up to `wait_s` for one to finish. `username`/`password`: the ACL
-    user the service logs in as on every node (None: the default user)."""
+    user the service logs in as on every node (None: the default user). `tls_ca`: a cluster's
+    nodes speak TLS, verified against this CA (a single server's URL says so itself:
+    `rediss://HOST:PORT?ssl_ca_certs=PATH`)."""
 
     url: str = ""
     cluster_nodes: tuple[tuple[str, int], ...] = ()
@@ -59,6 +61,7 @@ class RedisTarget:
     wait_s: float = 10.0
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.url) == bool(self.cluster_nodes):
@@ -94,10 +97,10 @@ class BoundedCluster(RedisCluster):
     finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection."""
 
     def __init__(self, nodes: tuple[tuple[str, int], ...], bound: int, wait_s: float,
-                 **login: str | None) -> None:
+                 **options: Any) -> None:
         super().__init__(startup_nodes=[ClusterNode(host, port) for host, port in nodes],
                          max_connections=bound + _SPARE_CONNECTIONS, decode_responses=False,
-                         **login)
+                         **options)
         self._calls = asyncio.Semaphore(bound)
         self._wait_s = wait_s
         self._refreshing = asyncio.Lock()
@@ -143,7 +146,9 @@ def connect(target: RedisTarget) -> RedisClient:
     """The client for `target`; connections open on first use."""
     login = {"username": target.username, "password": target.password}
     if target.is_cluster:
-        return BoundedCluster(target.cluster_nodes, target.max_connections, target.wait_s, **login)
+        tls = {"ssl": True, "ssl_ca_certs": target.tls_ca} if target.tls_ca else {}
+        return BoundedCluster(target.cluster_nodes, target.max_connections, target.wait_s,
+                              **login, **tls)
     pool = BlockingConnectionPool.from_url(target.url, max_connections=target.max_connections,
                                            timeout=target.wait_s, **login)
     return Redis(connection_pool=pool)

@@ -48,13 +48,23 @@ def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes],
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])  # KDA + MLA, Gated DeltaNet + GQA
+# KDA + MLA; Gated DeltaNet + GQA, on a cluster whose every link is TLS (`--tls`)
+@pytest.mark.parametrize("preset, tls", [("tiny", False), ("tiny-gqa", True)])
 def test_demo_hits_from_the_second_turn_verifies_every_output_and_leaves_nothing_running(tmp_path,
-                                                                                         preset):
+                                                                                         preset,
+                                                                                         tls):
     done = subprocess.run([*DEMO, "--preset", preset, "--sessions", str(SESSIONS), "--turns",
-                           str(TURNS), "--json", "--run-dir", str(tmp_path)],
+                           str(TURNS), "--json", "--run-dir", str(tmp_path),
+                           *(["--tls"] if tls else [])],
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
+    if tls:  # the service, Redis and the broker speak TLS only, under the run's CA
+        ca = tmp_path / "tls" / "ca.pem"
+        for link in (rf"service tls://127.0.0.1:\d+\?ca={ca} ",
+                     rf"redis rediss://127.0.0.1:\d+\?ssl_ca_certs={ca},",
+                     rf"mqtt mqtts://127.0.0.1:\d+\?ca={ca},"):
+            assert re.search(link, done.stderr), link
+        assert stat.S_IMODE((tmp_path / "tls" / "server.key").stat().st_mode) == 0o600
     report = json.loads(done.stdout)
     assert {"requests", "hit_requests", "tokens", "hit_tokens", "verified", "mismatches",
             "checkpoints", "checkpoint_bytes"} <= set(report)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from typing import Any
 
 import aiomqtt
 import msgpack
@@ -22,7 +23,7 @@ from cachetier.events.cache_events import (AllBlocksCleared, BlockRemoved, Block
                                            events_topic, removed_events)
 from cachetier.events.liveness import (AgentPresence, AgentStatus, LivenessWatcher, agent_topic,
                                        agents_filter, parse_agent_topic)
-from cachetier.events.mqtt import Backoff, BrokerAddress, MqttLink
+from cachetier.events.mqtt import Backoff, BrokerAddress, MqttLink, with_login
 from cachetier.run.servers import MosquittoServer, free_port
 from index.records import Removal
 
@@ -106,16 +107,25 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = TIMEOUT_S
 
 # --- addresses, topics, encoding ---------------------------------------------------------------
 
-@pytest.mark.parametrize("url, expected", [("mqtt://127.0.0.1:1884", ("127.0.0.1", 1884)),
-                                           ("mqtt://mosquitto", ("mosquitto", 1883))])
-def test_broker_url(url: str, expected: tuple[str, int]) -> None:
+@pytest.mark.parametrize("url, expected", [
+    ("mqtt://127.0.0.1:1884", ("127.0.0.1", 1884)), ("mqtt://mosquitto", ("mosquitto", 1883)),
+    (with_login("mqtt://h:1", "agent/0/p%3Aq", "a/b.c:d@e"), ("h", 1, "agent/0/p%3Aq", "a/b.c:d@e")),
+    ("mqtts://h?ca=/tls/ca.pem", ("h", 8883, None, None, True, "/tls/ca.pem"))])
+def test_broker_url(url: str, expected: tuple[Any, ...]) -> None:
     assert BrokerAddress.parse(url) == BrokerAddress(*expected)
 
 
-@pytest.mark.parametrize("url", ["tcp://h:1883", "mqtt://", "mqtt://h:99999", "mqtt://h/x", "h"])
+@pytest.mark.parametrize("url", ["tcp://h:1883", "mqtt://", "mqtt://h:99999", "mqtt://h/x", "h",
+                                 "mqtt://h?ca=/x", "mqtts://h?cert=/x"])
 def test_bad_broker_url(url: str) -> None:
     with pytest.raises(ValueError, match="bad MQTT URL"):
         BrokerAddress.parse(url)
+
+
+def test_a_bad_broker_url_never_shows_its_password() -> None:
+    with pytest.raises(ValueError) as err:
+        BrokerAddress.parse(with_login("mqtt://h:99999", "u", "pw-123"))
+    assert "pw-123" not in str(err.value) and "mqtt://h:99999" in str(err.value)
 
 
 def test_agent_topics() -> None:

@@ -16,13 +16,14 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Self
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import aiomqtt
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 1883
+DEFAULT_TLS_PORT = 8883
 TOPIC_ROOT = "cachetier"
 _FORBIDDEN_IN_POOL = frozenset("/+#\0")
 
@@ -35,22 +36,30 @@ class BrokerAddress:
     port: int = DEFAULT_PORT
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    ca: str | None = None  # with tls: the CA the broker's certificate is verified against
 
     @classmethod
     def parse(cls, url: str) -> BrokerAddress:
         """`mqtt://[USER:PASSWORD@]HOST[:PORT]` (user and password percent-encoded, as
-        `with_login` writes them); anything else is a ValueError naming the URL."""
+        `with_login` writes them), or `mqtts://...[?ca=PATH]` for TLS; anything else is a
+        ValueError naming the URL."""
         parts = urlsplit(url)
         shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password
         try:
             port = parts.port
         except ValueError as exc:
             raise ValueError(f"bad MQTT URL {shown!r}: {exc}") from None
-        if parts.scheme != "mqtt" or not parts.hostname or parts.path not in ("", "/"):
-            raise ValueError(f"bad MQTT URL {shown!r}: expected mqtt://HOST[:PORT]")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        tls = parts.scheme == "mqtts"
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname \
+                or parts.path not in ("", "/") or set(query) - ({"ca"} if tls else set()):
+            raise ValueError(f"bad MQTT URL {shown!r}: expected mqtt://HOST[:PORT] or "
+                             "mqtts://HOST[:PORT][?ca=PATH]")
         username = None if parts.username is None else unquote(parts.username)
         password = None if parts.password is None else unquote(parts.password)
-        return cls(parts.hostname, port or DEFAULT_PORT, username, password)
+        return cls(parts.hostname, port or (DEFAULT_TLS_PORT if tls else DEFAULT_PORT), username,
+                   password, tls, query.get("ca"))
 
 
 def with_login(url: str, username: str, password: str) -> str:
@@ -146,9 +155,11 @@ class MqttLink:
             await asyncio.sleep(self._backoff.next_delay())
 
     async def _connection(self) -> None:
-        client = aiomqtt.Client(self.address.host, self.address.port, will=self._will,
-                                keepalive=self._keepalive_s, username=self.address.username,
-                                password=self.address.password)
+        address = self.address
+        tls = aiomqtt.TLSParameters(ca_certs=address.ca) if address.tls else None
+        client = aiomqtt.Client(address.host, address.port, will=self._will,
+                                keepalive=self._keepalive_s, username=address.username,
+                                password=address.password, tls_params=tls)
         try:
             async with client:
                 await self._setup(client)

@@ -11,7 +11,9 @@ SIGTERM if `up` itself dies, so nothing outlives it. All logs and `pids.json` li
 directory. Every credential is generated from the cluster secret into `credentials/` in the run
 directory (`run.credential_files`); each child gets its own only (the service the secret, each
 agent its rank's token), through the environment, not its command line. The broker admits those
-principals only, each to its own topics (`run.mqtt_auth`).
+principals only, each to its own topics (`run.mqtt_auth`). With `--tls` every link (the service's,
+Redis', the broker's) is TLS only, under certificates of a CA made for the run (`run.tls`, in
+`tls/` of the run directory).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from cachetier.errors import CacheTierError
 from cachetier.run.credential_files import ClusterCredentials
 from cachetier.run.mqtt_auth import BrokerAuth
 from cachetier.run.redis_auth import RedisAcl
+from cachetier.run import tls
 from cachetier.run.redis_cluster import ClusterNode, ClusterShape, LocalRedisCluster
 from cachetier.run.redis_memory import index_maxmemory
 from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
@@ -65,6 +68,7 @@ class ClusterSettings:
     # where `events vllm` republishes the pool's cache events as vLLM KV events (ZeroMQ), if set
     kv_events_endpoint: str | None = None
     redis_cluster: ClusterShape | None = None  # None: one redis-server
+    tls: bool = False  # every link TLS (`run.tls`): the service, Redis, the broker
 
 
 @dataclass(kw_only=True)
@@ -165,14 +169,16 @@ class Cluster:
         self.credentials = ClusterCredentials(settings.secret, POOL, settings.agents)
         password = self.credentials.redis_password
         acl = RedisAcl(password("cachetier"), password("replica"), password("operator"))
+        self.tls = tls.generate(self.run_dir / "tls") if settings.tls else None
         self.redis = _DurableRedis(log_file=self.run_dir / "redis.log",
                                    data_dir=self.run_dir / "redis-data", maxmemory=maxmemory,
-                                   acl=acl)
+                                   acl=acl, tls=self.tls)
         self.redis_cluster = None if settings.redis_cluster is None else LocalRedisCluster(
-            settings.redis_cluster, maxmemory=maxmemory, acl=acl,
+            settings.redis_cluster, maxmemory=maxmemory, acl=acl, tls=self.tls,
             make_node=lambda i: _LoggedClusterNode(log_file=self.run_dir / f"redis-{i}.log"))
         self.mqtt = _LoggedMosquitto(log_file=self.run_dir / "mosquitto.log",
-                                     auth=BrokerAuth.of(self.credentials.mqtt_tokens()))
+                                     auth=BrokerAuth.of(self.credentials.mqtt_tokens()),
+                                     tls=self.tls)
         self.service_url = ""
         self.nodes: list[Node] = []
         self._pids: dict[str, int] = {}
@@ -203,7 +209,7 @@ class Cluster:
             "CACHETIER_SECRET": self.settings.secret,
             "CACHETIER_REDIS_PASSWORD": self.credentials.redis_password("cachetier")}, [
             "serve", *self._start_redis(), "--redis-user", "cachetier",
-            "--listen", f"tcp://127.0.0.1:{self.settings.port}", *self._node_args(),
+            "--listen", self._listen_url(), *self._node_args(),
             *self.settings.serve_config_args])
         url = service.wait_for(_LISTENING, self.settings.startup_timeout_s)[1]
         self.service_url = url.decode()
@@ -229,7 +235,14 @@ class Cluster:
         self._stack.enter_context(self.redis_cluster)
         for i, node in enumerate(self.redis_cluster.nodes):
             self._record(f"redis-{i}", node.pid)
-        return ["--redis-cluster", self.redis_cluster.startup_nodes]
+        tls = [] if self.tls is None else ["--redis-tls-ca", str(self.tls.ca)]
+        return ["--redis-cluster", self.redis_cluster.startup_nodes, *tls]
+
+    def _listen_url(self) -> str:
+        if self.tls is None:
+            return f"tcp://127.0.0.1:{self.settings.port}"
+        return (f"tls://127.0.0.1:{self.settings.port}?cert={self.tls.cert}&key={self.tls.key}"
+                f"&ca={self.tls.ca}")
 
     def _node_args(self) -> list[str]:
         return ["--mqtt", self.mqtt.url]

@@ -21,12 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import redis
 
 from cachetier.run.redis_auth import RedisAcl
 from cachetier.run.servers import LOOPBACK, RedisServer, find_binary, free_port
+
+if TYPE_CHECKING:
+    from cachetier.run.tls import TlsFiles
 
 _READY_TIMEOUT_S = 30.0
 _SHAPE = re.compile(r"^(\d+)(?:x(\d+))?$")
@@ -72,7 +75,8 @@ class ClusterNode(RedisServer):
                 "--cluster-config-file", str(workdir / "nodes.conf"),
                 "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--min-replicas-to-write", str(self.min_replicas),
-                "--repl-diskless-sync-delay", "0"]
+                "--repl-diskless-sync-delay", "0",
+                *(["--tls-cluster", "yes", "--tls-replication", "yes"] if self.tls else [])]
 
     @property
     def address(self) -> str:
@@ -89,6 +93,7 @@ class LocalRedisCluster:
     make_node: Callable[[int], ClusterNode] | None = None  # node i (None: a plain ClusterNode)
     maxmemory: int = 1 << 30  # per node (`RedisServer.maxmemory`): each may hold every pool
     acl: RedisAcl | None = None  # every node's users (`run.redis_auth`); replicas log in
+    tls: TlsFiles | None = None  # every link TLS: clients, the cluster bus, replication
     nodes: list[ClusterNode] = field(default_factory=list, init=False)
 
     @property
@@ -103,7 +108,7 @@ class LocalRedisCluster:
                 node.node_timeout_ms = self.node_timeout_ms
                 node.min_replicas = min(1, self.shape.replicas)
                 node.maxmemory = self.maxmemory
-                node.acl = self.acl
+                node.acl, node.tls = self.acl, self.tls
                 self.nodes.append(node)
                 node.start()
             self._create()
@@ -129,6 +134,8 @@ class LocalRedisCluster:
                    *(node.address for node in self.nodes),
                    "--cluster-replicas", str(self.shape.replicas), "--cluster-yes"]
         env = None
+        if self.tls is not None:
+            command += ["--tls", "--cacert", str(self.tls.ca)]
         if self.acl is not None:  # the password from the environment, not the command line
             command += ["--user", "operator"]
             env = {**os.environ, "REDISCLI_AUTH": self.acl.operator}

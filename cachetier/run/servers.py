@@ -29,6 +29,7 @@ import redis
 if TYPE_CHECKING:
     from cachetier.run.mqtt_auth import BrokerAuth
     from cachetier.run.redis_auth import RedisAcl
+    from cachetier.run.tls import TlsFiles
 
 LOOPBACK = "127.0.0.1"
 _STOP_TIMEOUT_S = 5.0
@@ -179,7 +180,9 @@ class ChildServer:
 class RedisServer(ChildServer):
     """A redis-server with persistence off, on a unix socket (default) or a loopback TCP port,
     bounded by `maxmemory` with `noeviction`; with `acl`, its default user off and the users of
-    `run.redis_auth` (`client()` logs in as the operator)."""
+    `run.redis_auth` (`client()` logs in as the operator); with `tls`, TLS only, on a loopback TCP
+    port (`tls-port`, the plain port off; clients verify the server, and log in with a password
+    rather than a certificate)."""
 
     name: ClassVar[str] = "redis"
     install_hint: ClassVar[str] = "install it with `apt-get install redis-server` or run bin/setup"
@@ -190,6 +193,7 @@ class RedisServer(ChildServer):
     # default is for throwaway servers (tests, benchmarks); `cachetier up` sizes it from the pools
     maxmemory: int = 1 << 30
     acl: RedisAcl | None = None
+    tls: TlsFiles | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -197,11 +201,19 @@ class RedisServer(ChildServer):
 
     @property
     def url(self) -> str:
-        """The URL redis-py's `from_url` takes: redis://127.0.0.1:PORT or unix:///…/redis.sock."""
+        """The URL redis-py's `from_url` takes: redis://127.0.0.1:PORT, unix:///…/redis.sock, or
+        rediss://127.0.0.1:PORT?ssl_ca_certs=CA with `tls`."""
+        if self.tls is not None:
+            return f"rediss://{LOOPBACK}:{self.port}?ssl_ca_certs={self.tls.ca}"
         return f"redis://{LOOPBACK}:{self.port}" if self.tcp else f"unix://{self.socket_path}"
 
     def _command(self, workdir: Path) -> list[str]:
-        if self.tcp:
+        if self.tls is not None:
+            self.port = self.port or free_port()
+            listen = ["--port", "0", "--tls-port", str(self.port), "--bind", LOOPBACK,
+                      "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                      "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
+        elif self.tcp:
             self.port = self.port or free_port()
             listen = ["--port", str(self.port), "--bind", LOOPBACK]
         else:
@@ -230,7 +242,7 @@ class RedisServer(ChildServer):
         return sock
 
     def _answers(self) -> bool:
-        if self.acl is not None:
+        if self.acl is not None or self.tls is not None:
             try:
                 with self.client() as client:
                     return bool(client.ping())
@@ -254,9 +266,12 @@ class MosquittoServer(ChildServer):
     binary: str = field(default_factory=lambda: find_binary("mosquitto"))
     port: int = 0  # 0 picks a free port at start
     auth: BrokerAuth | None = None
+    tls: TlsFiles | None = None  # TLS only
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"mqtts://{LOOPBACK}:{self.port}?ca={self.tls.ca}"
         return f"mqtt://{LOOPBACK}:{self.port}"
 
     def _command(self, workdir: Path) -> list[str]:
@@ -269,7 +284,9 @@ class MosquittoServer(ChildServer):
             # to user mosquitto, who cannot read these private files)
             access = (f"allow_anonymous false\npassword_file {passwords}\nacl_file {acl}\n"
                       f"user {getpass.getuser()}\n")
-        config.write_text(f"listener {self.port} {LOOPBACK}\n{access}"
+        tls = "" if self.tls is None else (f"cafile {self.tls.ca}\ncertfile {self.tls.cert}\n"
+                                           f"keyfile {self.tls.key}\n")
+        config.write_text(f"listener {self.port} {LOOPBACK}\n{tls}{access}"
                           "persistence false\nlog_dest stderr\n")
         return [self.binary, "-c", str(config)]
 

@@ -22,7 +22,8 @@ def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
                           secret: str | None = None, port: int = 7400, agents: int = 1,
                           pool_pages: int = 1024, hash_unit: int | None = None,
                           kv_events_endpoint: str | None = None,
-                          overrides: Sequence[tuple[str, str]] = ()) -> ClusterSettings:
+                          overrides: Sequence[tuple[str, str]] = (),
+                          tls: bool = False) -> ClusterSettings:
     """The cluster whose pool is sized for `model_dir`'s vLLM layout
     (`cachetier.vllm.geometry.config_for_model`), `overrides` (`--set` pairs) on top; with
     `kv_events_endpoint`, its cache events also go out there as vLLM KV events."""
@@ -39,7 +40,7 @@ def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     return ClusterSettings(run_dir=run_dir.resolve(), secret=secret or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
-                           port=port, kv_events_endpoint=kv_events_endpoint)
+                           port=port, kv_events_endpoint=kv_events_endpoint, tls=tls)
 
 
 def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> int:

@@ -109,12 +109,13 @@ class ServiceSettings:
     # the ACL user the service logs in to Redis as (`run.redis_auth`); None: the default user
     redis_user: str | None = None
     redis_password: str | None = field(default=None, repr=False)
+    redis_tls_ca: str | None = None  # a cluster's nodes speak TLS, verified against this CA
 
     def redis_target(self) -> RedisTarget:
         bounds = {"max_connections": self.redis_connections, "wait_s": self.redis_wait_s,
                   "username": self.redis_user, "password": self.redis_password}
         if self.redis_cluster:
-            return RedisTarget.cluster(self.redis_cluster, **bounds)
+            return RedisTarget.cluster(self.redis_cluster, tls_ca=self.redis_tls_ca, **bounds)
         return RedisTarget(url=self.redis_url, **bounds)
 
     def replica_acks(self) -> ReplicaAcks | None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import msgpack
 
@@ -83,12 +84,18 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 
 @dataclass(frozen=True)
 class Endpoint:
-    """`tcp://HOST:PORT` or `unix:///absolute/path`."""
+    """`tcp://HOST:PORT`, `unix:///absolute/path`, or TCP with TLS:
+    `tls://HOST:PORT?ca=PATH` to connect (the server verified against the CA in PATH; without
+    it, against the system's), `tls://HOST:PORT?cert=PATH&key=PATH[&ca=PATH]` to listen. The URL
+    of a listening endpoint keeps only `ca`: it is what its clients connect with."""
 
-    scheme: Literal["tcp", "unix"]
+    scheme: Literal["tcp", "unix", "tls"]
     host: str = ""
     port: int = 0
     path: str = ""
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
 
     @classmethod
     def parse(cls, url: str) -> Endpoint:
@@ -97,15 +104,27 @@ class Endpoint:
             return cls("unix", path=parts.path)
         if parts.scheme == "tcp" and parts.hostname and parts.port is not None:
             return cls("tcp", host=parts.hostname, port=parts.port)
-        raise ValueError(f"bad endpoint {url!r}: expected tcp://HOST:PORT or unix:///PATH")
+        if parts.scheme == "tls" and parts.hostname and parts.port is not None:
+            query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+            if set(query) - {"ca", "cert", "key"} or ("cert" in query) != ("key" in query):
+                raise ValueError(f"bad endpoint {url!r}: tls takes ?ca=PATH, or cert and key")
+            return cls("tls", host=parts.hostname, port=parts.port, **query)
+        raise ValueError(f"bad endpoint {url!r}: expected tcp://HOST:PORT, tls://HOST:PORT or "
+                         "unix:///PATH")
 
     @property
     def url(self) -> str:
-        return f"unix://{self.path}" if self.scheme == "unix" else f"tcp://{self.host}:{self.port}"
+        if self.scheme == "unix":
+            return f"unix://{self.path}"
+        ca = f"?ca={quote(self.ca)}" if self.ca else ""
+        return f"{self.scheme}://{self.host}:{self.port}{ca}"
 
     async def connect(self, max_frame: int = DEFAULT_MAX_FRAME) -> FramedStream:
         if self.scheme == "unix":
             reader, writer = await asyncio.open_unix_connection(self.path)
+        elif self.scheme == "tls":
+            context = ssl.create_default_context(cafile=self.ca or None)
+            reader, writer = await asyncio.open_connection(self.host, self.port, ssl=context)
         else:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         return FramedStream(reader, writer, max_frame)
@@ -115,9 +134,15 @@ class Endpoint:
         if self.scheme == "unix":
             _remove_stale_socket(self.path)
             return await asyncio.start_unix_server(handler, self.path), self
-        server = await asyncio.start_server(handler, self.host, self.port)
+        context = None
+        if self.scheme == "tls":
+            if not self.cert:
+                raise ValueError("listening with tls needs ?cert=PATH&key=PATH")
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.cert, self.key)
+        server = await asyncio.start_server(handler, self.host, self.port, ssl=context)
         port = server.sockets[0].getsockname()[1]
-        return server, Endpoint("tcp", host=self.host, port=port)
+        return server, Endpoint(self.scheme, host=self.host, port=port, ca=self.ca)
 
 
 def _remove_stale_socket(path: str) -> None:
