@@ -70,7 +70,7 @@ def request(rid: str, prompt: list[int], salt: str | None = None) -> dict[str, A
 async def assert_no_pins(cluster: Cluster) -> None:
     """The pool holds no request, ticket or pin (every engine released what it took), and its
     invariants hold."""
-    client = aioredis.from_url(cluster.redis.url)
+    client = aioredis.from_url(cluster.redis.url, **cluster.redis.operator_login)
     try:
         state = await read_pool(client, pool_keys(POOL))
     finally:

@@ -223,11 +223,14 @@ class RedisServer(ChildServer):
                 "--dir", str(workdir), "--daemonize", "no", "--logfile", "",
                 "--maxmemory", str(self.maxmemory), "--maxmemory-policy", "noeviction"]
 
+    @property
+    def operator_login(self) -> dict[str, str]:
+        """redis-py's keyword arguments to log in as the operator (none without `acl`)."""
+        return {} if self.acl is None else {"username": "operator", "password": self.acl.operator}
+
     def client(self) -> redis.Redis:
         """A blocking client, for setting up and inspecting the server."""
-        login = {} if self.acl is None else {"username": "operator",
-                                             "password": self.acl.operator}
-        return redis.Redis.from_url(self.url, socket_timeout=2.0, **login)
+        return redis.Redis.from_url(self.url, socket_timeout=2.0, **self.operator_login)
 
     def _connect(self) -> socket.socket:
         if self.tcp:
