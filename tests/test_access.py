@@ -44,7 +44,8 @@ async def refusal(url: str, token: str, role: str, *then: object) -> RemoteError
     stream = await Endpoint.parse(url).connect()
     try:
         with pytest.raises(RemoteError) as err:
-            await exchange(stream, 0, Hello(PROTOCOL_VERSION, token, role))  # type: ignore[arg-type]
+            hello = Hello(PROTOCOL_VERSION, token, role)  # type: ignore[arg-type]
+            await exchange(stream, 0, hello)
             for i, message in enumerate(then, 1):
                 await exchange(stream, i, message)
         assert not err.value.retryable

@@ -94,7 +94,8 @@ def test_the_cluster_profile_runs_the_settings_the_index_needs(services: dict[st
         assert node["image"] == "redis:7" and node["profiles"] == ["cluster"]
         assert flags(node) | {"--cluster-node-timeout": "?"} == {
             "--aclfile": "/run/secrets/redis-users.acl",
-            "--include": "/run/secrets/redis-replica.conf", "--cluster-enabled": "yes", "--cluster-config-file": "nodes.conf",
+            "--include": "/run/secrets/redis-replica.conf", "--cluster-enabled": "yes",
+            "--cluster-config-file": "nodes.conf",
             "--cluster-node-timeout": "?", "--min-replicas-to-write": "1",
             "--repl-diskless-sync-delay": "0", "--appendonly": "yes", "--appendfsync": "everysec"}
         assert int(flags(node)["--cluster-node-timeout"]) <= 5000

@@ -109,7 +109,8 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = TIMEOUT_S
 
 @pytest.mark.parametrize("url, expected", [
     ("mqtt://127.0.0.1:1884", ("127.0.0.1", 1884)), ("mqtt://mosquitto", ("mosquitto", 1883)),
-    (with_login("mqtt://h:1", "agent/0/p%3Aq", "a/b.c:d@e"), ("h", 1, "agent/0/p%3Aq", "a/b.c:d@e")),
+    (with_login("mqtt://h:1", "agent/0/p%3Aq", "a/b.c:d@e"),
+     ("h", 1, "agent/0/p%3Aq", "a/b.c:d@e")),
     ("mqtts://h?ca=/tls/ca.pem", ("h", 8883, None, None, True, "/tls/ca.pem"))])
 def test_broker_url(url: str, expected: tuple[Any, ...]) -> None:
     assert BrokerAddress.parse(url) == BrokerAddress(*expected)

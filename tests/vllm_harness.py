@@ -53,7 +53,8 @@ def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int,
     with Cluster(settings) as running:
         write_info(running.run_dir / "info.json",
                    connector_info(service=running.service_url, token=running.client_token,
-                                  pool=POOL, handle_file=running.handle_file(0), model_dir=model_dir,
+                                  pool=POOL, handle_file=running.handle_file(0),
+                                  model_dir=model_dir,
                                   config=settings.config, kv_events_endpoint=kv_events_endpoint))
         yield running
 

@@ -1,4 +1,4 @@
-"""`cachetier credentials DIR`: every secret file docker-compose.yml mounts, from one cluster secret.
+"""`cachetier credentials DIR`: every secret file docker-compose.yml mounts, from one secret.
 
 The cluster secret comes from `$CACHETIER_SECRET` (there is no default: a cluster whose secret is
 in a public file is open to anyone). DIR gets, each 0600 in a 0700 directory: `secret` (mounted

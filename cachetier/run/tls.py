@@ -39,7 +39,7 @@ def _name(common: str) -> x509.Name:
 def generate(directory: Path) -> TlsFiles:
     """A new CA and a loopback server certificate in `directory`."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("cachetier run CA"))
           .issuer_name(_name("cachetier run CA")).public_key(ca_key.public_key())

@@ -5,7 +5,8 @@ Every frame (`framing`) holds one msgpack map. A request is `{"op", "id", **fiel
 with id None when the request was too broken to carry one. A connection opens with `hello`
 (version, token, role: the token is a credential, `cachetier.credentials`, whose role decides
 which ops the connection may send, `cachetier.service.access`). A scheduler then sends `plan`,
-`commit`, `confirm`, `release`, `stats`, `health` (an admin also `invalidate`); an agent sends `register` once and from then on *receives* `copy` requests on the same
+`commit`, `confirm`, `release`, `stats`, `health` (an admin also `invalidate`); an agent sends
+`register` once and from then on *receives* `copy` requests on the same
 connection and answers them.
 
 Messages are dataclasses decoded by their type hints (`from_wire`), so a field of the wrong type is
