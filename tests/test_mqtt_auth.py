@@ -75,8 +75,9 @@ async def test_unknown_logins_are_refused(broker, login):
 async def test_forged_statuses_and_events_never_reach_the_service(broker, redis, redis_url):
     """The service and its agent on the broker; an observer and another rank's agent forge the
     agent's "offline", and an observer forges a `BlockStored`: the broker delivers none (no epoch
-    bump, the agent still online), and the observer cannot read agent statuses. The agent's own
-    clean exit then does reach the service: the channel the forgeries were refused on works."""
+    bump, the agent still online), and the observer cannot read agent statuses. The same
+    "offline" from the agent's own login then does reach the service (its service connection
+    still up, so only MQTT can have told it): the channel the forgeries were refused on works."""
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     serve = asyncio.create_task(run_service(ServiceSettings(redis_url, SECRET, TINY),
                                             ready.set_result, broker.url))
@@ -103,9 +104,9 @@ async def test_forged_statuses_and_events_never_reach_the_service(broker, redis,
             assert "forger" not in [batch.batch.source for batch in await drained(events)]
             assert (await tier.health()).pools == {"p": [0]}
             assert (await tier.stats("p")).epoch == epoch
-            agent.cancel()  # a clean exit: its own "offline", through the same broker
-            await asyncio.gather(agent, return_exceptions=True)
-            await eventually(lambda: tier.stats("p"), lambda s: s.epoch == epoch + 1)
+            async with client(broker, agent_token("p", 0)) as mqtt:  # as its own Will would
+                await mqtt.publish(agent_topic("p", 0), offline, qos=1, retain=True)
+            await eventually(lambda: tier.stats("p"), lambda s: s.epoch > epoch)
     finally:
         for task in (agent, serve):
             task.cancel()
