@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import random
+import ssl
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class Agent:
 
     async def run(self) -> None:
         """Serve every service until cancelled. A refusal that retrying cannot fix (token,
-        version, geometry) ends the run with that error.
+        version, geometry, a TLS certificate its CA did not sign) ends the run with that error.
 
         Torch's thread count is bounded first (`torch_threads`): a CPU agent's copies move a few
         pages each, and with torch's default (one thread per core) they mostly wait on each other
@@ -126,6 +127,8 @@ class Agent:
             try:
                 await self._session(url)
                 delay = self.settings.reconnect_min_s  # it had registered: start the backoff over
+            except ssl.SSLCertVerificationError:  # a service its CA did not sign: never ours
+                raise
             except (OSError, ConnectionLost, BrokenStream, RequestTimeout) as exc:
                 logger.info("service %s: %s", url, exc)
             except RemoteError as exc:

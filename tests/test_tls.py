@@ -12,7 +12,7 @@ from cachetier.client import CacheTierClient
 from cachetier.errors import ConnectionLost
 from cachetier.run.tls import generate
 from cachetier.wire.framing import Endpoint
-from tests.cluster_harness import TOKEN, running_service
+from tests.cluster_harness import TOKEN, running_agent, running_service
 
 
 def test_tls_endpoints_parse_and_keep_only_the_ca_in_their_url():
@@ -39,4 +39,7 @@ async def test_only_a_client_trusting_the_ca_is_served(redis, redis_url, tmp_pat
         other = generate(tmp_path / "other")  # a CA that did not sign the service's certificate
         with pytest.raises(ssl.SSLCertVerificationError):
             async with CacheTierClient(f"tls://127.0.0.1:{port}?ca={other.ca}", token=TOKEN):
+                pass
+        with pytest.raises(ssl.SSLCertVerificationError):  # an agent too: at once, not retried
+            async with running_agent(f"tls://127.0.0.1:{port}?ca={other.ca}"):
                 pass
