@@ -1,5 +1,5 @@
-"""The `cachetier` command: config, servers, the local cluster, demo, replay, traces, benchmarks,
-vLLM-format events.
+"""The `cachetier` command: config, servers, the local cluster, demo, chaos, replay, traces,
+benchmarks, vLLM-format events.
 
 Bench modules (`cachetier.bench.<name>`) are imported only when their command runs, so `config show`
 stays fast and the CLI keeps working while a benchmark is missing or broken. A bench module provides
@@ -146,12 +146,24 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         if args.request_lease < 0:
             raise ConfigError("--request-lease", "must be >= 0")
         settings = dataclasses.replace(settings, request_lease_s=args.request_lease or None)
-    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt), args.log_level)
+    metrics = None
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port < 65536:
+            raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
+        from cachetier.run.nodes import MetricsListen
+        metrics = MetricsListen(args.metrics_host, args.metrics_port, _announce_metrics)
+    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt, metrics),
+                             args.log_level)
 
 
 def _announce_listening(url: str) -> None:
     """The line `cachetier up` and the tests wait for: the service answers from now on."""
     print(f"cachetier serve: listening on {url}", flush=True)
+
+
+def _announce_metrics(url: str) -> None:
+    """Printed before the listening line, so `up` finds both once the service answers."""
+    print(f"cachetier serve: metrics on {url}", flush=True)
 
 
 def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -271,6 +283,11 @@ def _add_serve_parser(commands: Any) -> None:
     serve.add_argument("--copy-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="how long a step waits for the agents' copy acks")
     serve.add_argument("--redis-connections", type=int, default=64)
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve Prometheus metrics on http://HOST:PORT/metrics (0: any free "
+                            "port; default: no metrics)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                       help="the address the metrics listen on (default 127.0.0.1)")
     serve.add_argument("--batch-tick", type=float, metavar="SECONDS",
                        help="how long a pool's plans gather into one step while one of its "
                        "steps is in flight (0: every plan on its own; default 0.001)")
@@ -323,9 +340,12 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
         redis_cluster = None if shape is None else ClusterShape.parse(shape)
     except ValueError as exc:
         raise ConfigError("--redis-cluster", str(exc)) from None
+    if not args.no_metrics and not 0 <= args.metrics_port < 65536:
+        raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
     return ClusterSettings(run_dir=run_dir.resolve(), secret=args.secret or secrets.token_hex(16),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
-                           port=args.port, redis_cluster=redis_cluster, tls=args.tls)
+                           port=args.port, redis_cluster=redis_cluster, tls=args.tls,
+                           metrics_port=None if args.no_metrics else args.metrics_port)
 
 
 def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -370,6 +390,41 @@ def _demo(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return up(_cluster_settings(args, args.agents), lambda cluster: run_demo(cluster, options))
 
 
+def _chaos(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.run.chaos import ChaosOptions, run_chaos
+    from cachetier.run.cluster import up
+    if args.kills < 0 or args.clients < 1 or args.model_every < 1 or args.copy_timeout <= 0:
+        raise ConfigError("chaos", "--kills must be >= 0, --clients and --model-every >= 1, "
+                                   "--copy-timeout > 0")
+    options = ChaosOptions(kills=args.kills, clients=args.clients, model_every=args.model_every,
+                           storm_messages=args.storm_messages, copy_timeout_s=args.copy_timeout,
+                           seed=args.seed, json=args.json)
+    settings = dataclasses.replace(_cluster_settings(args, args.agents), agent_zygote=True,
+                                   serve_args=("--copy-timeout", str(args.copy_timeout)))
+    return up(settings, lambda cluster: run_chaos(cluster, options))
+
+
+def _add_chaos_parser(commands: Any) -> None:
+    chaos = commands.add_parser("chaos", help="kill agents, restart Redis and the broker, forge "
+                                              "liveness, all under a verifying load; report")
+    chaos.add_argument("--kills", type=int, default=20, metavar="N",
+                       help="faults to inject, the kinds in turn (default 20)")
+    chaos.add_argument("--agents", type=int, default=2, metavar="N",
+                       help="CPU agents: the pool's tensor-parallel ranks (default 2)")
+    chaos.add_argument("--clients", type=int, default=4, help="load clients (default 4)")
+    chaos.add_argument("--model-every", type=int, default=10, metavar="K",
+                       help="run the tiny model against its recompute every K faults (default 10)")
+    chaos.add_argument("--storm-messages", type=int, default=100, metavar="N",
+                       help="forged statuses per liveness storm (default 100)")
+    chaos.add_argument("--copy-timeout", type=float, default=1.0, metavar="SECONDS",
+                       help="the service's copy timeout, past which a frozen agent is lost "
+                            "(default 1)")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _add_cluster_arguments(chaos, 0)
+    chaos.set_defaults(handler=_chaos)
+
+
 def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port,
                         help=f"service TCP port (0: any free port; default {port})")
@@ -378,6 +433,10 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--tls", action="store_true",
                         help="TLS on every link (the service, Redis, the broker), under a CA made "
                              "for the run (tls/ca.pem in the run directory)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="the service's Prometheus metrics port (default 0: any free port; "
+                             "its address is printed and written to cluster.json)")
+    parser.add_argument("--no-metrics", action="store_true", help="serve no metrics")
     parser.add_argument("--run-dir", type=Path, metavar="DIR",
                         help="logs, pids.json and redis data (default: runs/<timestamp>)")
     add_config_arguments(parser)
@@ -612,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent_parser(commands)
     _add_up_parser(commands)
     _add_demo_parser(commands)
+    _add_chaos_parser(commands)
     _add_replay_parser(commands)
     _add_trace_parser(commands)
     _add_events_parser(commands)

@@ -14,6 +14,10 @@ agent its rank's token), through the environment, not its command line. The brok
 principals only, each to its own topics (`run.mqtt_auth`). With `--tls` every link (the service's,
 Redis', the broker's) is TLS only, under certificates of a CA made for the run (`run.tls`, in
 `tls/` of the run directory).
+With `metrics_port` the service serves Prometheus metrics; its address is in the `up:` line and,
+with every other address, in `cluster.json` of the run directory. With `agent_zygote` agents are
+forked from a warm process (`run.zygote`) and `restart_agent` replaces one in milliseconds (the
+chaos campaign restarts one after every kill).
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ from cachetier.run.redis_cluster import ClusterNode, ClusterShape, LocalRedisClu
 from cachetier.run.redis_memory import index_maxmemory
 from cachetier.run.servers import (MosquittoServer, RedisServer, ChildServer, parent_death_hook,
                                    terminate)
+from cachetier.run.zygote import AgentZygote, ForkedProcess
 
 POOL = "pool0"
 _LISTENING = re.compile(rb"listening on (\S+)")
 _BRIDGING = re.compile(rb"published on (\S+)")
+_METRICS = re.compile(rb"metrics on (\S+)")
 _POLL_S = 0.05
 
 
@@ -69,6 +75,9 @@ class ClusterSettings:
     kv_events_endpoint: str | None = None
     redis_cluster: ClusterShape | None = None  # None: one redis-server
     tls: bool = False  # every link TLS (`run.tls`): the service, Redis, the broker
+    metrics_port: int | None = None  # the service's Prometheus metrics (0: any port; None: off)
+    serve_args: tuple[str, ...] = ()  # more `serve` flags (e.g. a shorter --copy-timeout)
+    agent_zygote: bool = False  # agents forked from a warm process (restarts in milliseconds)
 
 
 @dataclass(kw_only=True)
@@ -123,9 +132,14 @@ class Node:
     args: list[str]
     log: Path
     env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    zygote: AgentZygote | None = None  # fork it from this warm process
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = field(default=None, repr=False)
 
     def start(self) -> Self:
+        if self.zygote is not None:
+            self.log.write_bytes(b"")
+            self.proc = self.zygote.fork(self.args, self.log)
+            return self
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cachetier.cli", *self.args], stdin=subprocess.DEVNULL,
@@ -135,7 +149,7 @@ class Node:
 
     def stop(self) -> None:
         if self.proc is not None:
-            terminate(self.proc)
+            terminate(self.proc)  # type: ignore[arg-type]  (a ForkedProcess stops alike)
 
     @property
     def pid(self) -> int:
@@ -180,7 +194,10 @@ class Cluster:
                                      auth=BrokerAuth.of(self.credentials.mqtt_tokens()),
                                      tls=self.tls)
         self.service_url = ""
+        self.metrics_url = ""
         self.nodes: list[Node] = []
+        self.agents: dict[int, Node] = {}
+        self._zygote: AgentZygote | None = None
         self._pids: dict[str, int] = {}
         self._stack = contextlib.ExitStack()
 
@@ -204,22 +221,27 @@ class Cluster:
     def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.credentials.write(self.run_dir)
+        if self.settings.agent_zygote:  # its imports run while the servers start
+            zygote = AgentZygote(self.run_dir / "zygote.log", self._env({}),
+                                 self.settings.startup_timeout_s)
+            self._zygote = self._stack.enter_context(zygote)
         self._record("mosquitto", self._stack.enter_context(self.mqtt).pid)
+        metrics = ([] if self.settings.metrics_port is None else
+                   ["--metrics-port", str(self.settings.metrics_port)])
         service = self._spawn("service", {
             "CACHETIER_SECRET": self.settings.secret,
             "CACHETIER_REDIS_PASSWORD": self.credentials.redis_password("cachetier")}, [
             "serve", *self._start_redis(), "--redis-user", "cachetier",
-            "--listen", self._listen_url(), *self._node_args(),
-            *self.settings.serve_config_args])
+            "--listen", self._listen_url(), *metrics, *self._node_args(),
+            *self.settings.serve_config_args, *self.settings.serve_args])
         url = service.wait_for(_LISTENING, self.settings.startup_timeout_s)[1]
         self.service_url = url.decode()
+        if metrics:
+            self.metrics_url = service.wait_for(_METRICS, 0)[1].decode()
         for rank in range(self.settings.agents):
-            token = {"CACHETIER_TOKEN": self.credentials.agent(rank)}
-            self._spawn(f"agent-{rank}", token, [
-                "agent", "--service", self.service_url, "--pool", POOL, "--rank", str(rank),
-                "--tp-degree", str(self.settings.agents), "--device", "cpu",
-                "--handle-file", str(self.handle_file(rank)), *self._node_args()])
+            self.start_agent(rank)
         asyncio.run(self._until_registered())
+        self._write_addresses()
         if self.settings.kv_events_endpoint is not None:
             observer = {"CACHETIER_TOKEN": self.credentials.role(Role.OBSERVER)}
             bridge = self._spawn("vllm-events", observer, [
@@ -247,14 +269,54 @@ class Cluster:
     def _node_args(self) -> list[str]:
         return ["--mqtt", self.mqtt.url]
 
-    def _spawn(self, name: str, secrets: dict[str, str], args: list[str]) -> Node:
-        """A child with `secrets` in its environment, and none of ours (`CACHETIER_*`)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHETIER_")} | secrets
-        node = Node(name, args, self.run_dir / f"{name}.log", env)
+    def _env(self, secrets: dict[str, str]) -> dict[str, str]:
+        """Our environment without our credentials (`CACHETIER_*`), with `secrets`."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("CACHETIER_")} | secrets
+
+    def _spawn(self, name: str, secrets: dict[str, str], args: list[str],
+               zygote: AgentZygote | None = None) -> Node:
+        """A child with `secrets` in its environment, and none of ours."""
+        node = Node(name, args, self.run_dir / f"{name}.log", self._env(secrets), zygote)
         self._stack.callback(node.stop)  # before starting: a failed start still gets reaped
         self.nodes.append(node.start())
         self._record(name, node.pid)
         return node
+
+    def start_agent(self, rank: int) -> Node:
+        """Start the agent of `rank` (forked from the zygote if there is one); it registers on
+        its own. Its log is `agent-<rank>.log`, restarts append `agent-<rank>.<n>.log`."""
+        previous = self.agents.get(rank)
+        name = f"agent-{rank}"
+        if previous is not None:
+            name = f"agent-{rank}.{sum(n.name.startswith(name + '.') for n in self.nodes) + 1}"
+        args = ["agent", "--service", self.service_url, "--pool", POOL, "--rank", str(rank),
+                "--tp-degree", str(self.settings.agents), "--device", "cpu",
+                "--handle-file", str(self.handle_file(rank)), *self._node_args()]
+        secrets = {"CACHETIER_TOKEN": self.credentials.agent(rank)}
+        if self._zygote is not None:  # a fork has the zygote's environment: its token by file
+            args += ["--token-file", str(self.run_dir / "credentials" / f"agent-{rank}")]
+            secrets = {}
+        self.agents[rank] = self._spawn(name, secrets, args, self._zygote)
+        return self.agents[rank]
+
+    def restart_agent(self, rank: int) -> Node:
+        """The agent of `rank` stopped if it still runs (SIGKILL: its death, not a goodbye),
+        its pool's shared memory unlinked, and a new one started."""
+        node = self.agents[rank]
+        if node.proc is not None:
+            node.proc.kill()
+            node.proc.wait(timeout=10)
+        self.nodes.remove(node)
+        _unlink_pool_files(self.handle_file(rank))
+        return self.start_agent(rank)
+
+    def _write_addresses(self) -> None:
+        """cluster.json: every address of the run, for operators and monitors."""
+        redis = (self.redis.url if self.redis_cluster is None
+                 else self.redis_cluster.startup_nodes)
+        (self.run_dir / "cluster.json").write_text(json.dumps(
+            {"service": self.service_url, "metrics": self.metrics_url or None, "redis": redis,
+             "mqtt": self.mqtt.url, "pool": POOL, "agents": self.settings.agents}, indent=2))
 
     def _record(self, name: str, pid: int) -> None:
         """pids.json: what a test or an operator checks is gone after the run."""
@@ -298,8 +360,25 @@ class Cluster:
             shape = self.redis_cluster.shape
             redis = (f"redis cluster {shape.masters}x{shape.replicas} "
                      f"{self.redis_cluster.startup_nodes}")
+        metrics = f"metrics {self.metrics_url}, " if self.metrics_url else ""
         return (f"service {self.service_url} (pool {POOL}, {self.settings.agents} CPU agents), "
                 f"{redis}, mqtt {self.mqtt.url}, credentials {self.run_dir / 'credentials'}")
+
+
+def _unlink_pool_files(handle_file: Path) -> None:
+    """The shared memory of a killed agent's pool (the agent unlinks it only when it exits
+    cleanly), named by its handle file."""
+    import pickle
+    try:
+        handle = pickle.loads(handle_file.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError):
+        return
+    handle_file.unlink(missing_ok=True)
+    for part in (handle.data, handle.tags, handle.fence):
+        path = getattr(part, "path", None)  # a CUDA pool's data has no file
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

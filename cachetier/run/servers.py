@@ -133,10 +133,25 @@ class ChildServer:
                 shutil.rmtree(self._workdir, ignore_errors=True)
                 self._workdir = None
 
+    def restart(self, sig: int = signal.SIGKILL) -> None:
+        """Stop the process with `sig` (SIGKILL: a crash) and start it again in the same
+        directory, on the same address, as a supervisor would; its log goes on in the same file."""
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError(f"{self.name} is not running")
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._spawn()
+        self._wait_until_ready()
+
     def _spawn(self) -> None:
         workdir = self.workdir
         self._command_line = self._command(workdir)
-        with open(workdir / "server.log", "wb") as log:
+        with open(workdir / "server.log", "ab") as log:
             try:
                 self._proc = subprocess.Popen(
                     self._command_line, stdin=subprocess.DEVNULL, stdout=log,

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -135,16 +136,21 @@ class _Pool:
 
 def describe(exc: BaseException) -> ErrorInfo:
     """The error frame for any failure of a request: index errors keep their `retryable`."""
+    info = classify(exc)
+    if info.code == ErrorCode.INTERNAL:
+        logger.error("request failed", exc_info=exc)
+    return info
+
+
+def classify(exc: BaseException) -> ErrorInfo:
+    """`describe` without the log line (for the observer, which sees every failure too)."""
     if isinstance(exc, CacheIndexError):
         return ErrorInfo(_INDEX_CODES.get(type(exc), ErrorCode.INTERNAL), str(exc), exc.retryable)
     if is_full(exc):  # Redis at its maxmemory refused the write (`noeviction`)
         return StorageFull(f"redis: {exc}").info()
     if is_transient(exc):  # a server down, a failover, a write no replica confirmed in time
         return ErrorInfo(ErrorCode.REDIS_UNAVAILABLE, f"redis: {exc}", True)
-    info = error_info(exc)
-    if info.code == ErrorCode.INTERNAL:
-        logger.error("request failed", exc_info=exc)
-    return info
+    return error_info(exc)
 
 
 def step_failed(exc: Exception) -> CodedError:
@@ -350,11 +356,18 @@ class CacheTierService:
         return result
 
     async def _dispatch(self, message: Any) -> Any:
+        started = time.perf_counter()
         try:
-            return await self._handlers[type(message)](message)
+            try:
+                reply = await self._handlers[type(message)](message)
+            except Exception as exc:
+                self._storage_failed(exc)
+                raise
         except Exception as exc:
-            self._storage_failed(exc)
+            self.observer.answered(message, None, classify(exc), time.perf_counter() - started)
             raise
+        self.observer.answered(message, reply, None, time.perf_counter() - started)
+        return reply
 
     def _storage_failed(self, exc: BaseException) -> None:
         """A call that found a pool's storage behind this replica (anywhere in the chain of
@@ -396,6 +409,10 @@ class CacheTierService:
             await link.channel.close()
             raise
         await self._lose(state, link, "connection closed")
+
+    def indexes(self) -> dict[str, PrefixIndex]:
+        """The index of every pool this replica knows (for monitors: read-only calls only)."""
+        return {name: state.index for name, state in self._pools.items()}
 
     def config_for(self, pool: str) -> Config:
         return self.settings.pool_configs.get(pool, self.config)
