@@ -225,6 +225,7 @@ class Cluster:
             zygote = AgentZygote(self.run_dir / "zygote.log", self._env({}),
                                  self.settings.startup_timeout_s)
             self._zygote = self._stack.enter_context(zygote)
+            self._record("zygote", self._zygote.pid)
         self._record("mosquitto", self._stack.enter_context(self.mqtt).pid)
         metrics = ([] if self.settings.metrics_port is None else
                    ["--metrics-port", str(self.settings.metrics_port)])

@@ -86,6 +86,10 @@ class AgentZygote:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    @property
+    def pid(self) -> int:
+        return self._running().pid
+
     def fork(self, argv: list[str], log: Path) -> ForkedProcess:
         """Start `cachetier <argv>` (the first call waits for the zygote's imports)."""
         proc = self._running()
