@@ -425,6 +425,12 @@ def _add_chaos_parser(commands: Any) -> None:
     chaos.set_defaults(handler=_chaos)
 
 
+def _zygote(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from cachetier.run.zygote import serve_forks
+    serve_forks(main)
+    return 0
+
+
 def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port,
                         help=f"service TCP port (0: any free port; default {port})")
@@ -672,6 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(commands)
     _add_demo_parser(commands)
     _add_chaos_parser(commands)
+    commands.add_parser("zygote").set_defaults(handler=_zygote)  # unlisted: `run.zygote`'s
     _add_replay_parser(commands)
     _add_trace_parser(commands)
     _add_events_parser(commands)

@@ -90,7 +90,8 @@ async def test_metrics_move_as_the_demo_reports_while_it_runs(cluster):
     assert moved("cachetier_requested_tokens_total", **plan) == report.tokens
     assert moved("cachetier_hit_tokens_total", **plan) == report.hit_tokens > 0
     assert moved("cachetier_hits_total", **plan) == report.hit_requests
-    assert seen == sorted(seen) and any(0 < s < seen[-1] for s in seen), seen  # it moved live
+    first, last = total(before, "cachetier_lookups_total", kind="plan"), seen[-1]
+    assert seen == sorted(seen) and any(first < s < last for s in seen), seen  # it moved live
     plans = value(after, "cachetier_request_seconds_count", op="plan")
     assert plans > 0 and value(after, "cachetier_request_seconds_count", op="commit") > 0
     assert value(after, "cachetier_request_seconds_bucket", op="plan", le="+Inf") == plans
@@ -125,3 +126,26 @@ async def test_chaos_campaign_serves_no_wrong_byte_and_leaks_nothing(cluster):
              - value(before, "cachetier_epoch_bumps_total", pool=POOL))
     assert bumps >= 2 * 2  # every agent killed or frozen started a new epoch
     assert total(after, "cachetier_errors_total", code="agent_lost", retryable="true") > 0
+
+
+async def test_pool_gauges_read_each_pool_at_most_once_per_interval_whatever_the_scrapes():
+    from cachetier.service.metrics import ServiceMetrics
+    from index.records import IndexStats
+
+    class Pool:
+        reads = 0
+
+        async def stats(self) -> IndexStats:
+            Pool.reads += 1
+            await asyncio.sleep(0.01)  # concurrent scrapes overlap this read
+            return IndexStats(7, 256, 100 + Pool.reads, 5, 0, 0, 0, 0)
+
+    series = ServiceMetrics(refresh_s=0.2)
+    series.watch(lambda: {"a": Pool(), "b": Pool()})
+    bodies = await asyncio.gather(*(series.exposition() for _ in range(10)))
+    assert Pool.reads == 2 and len(set(bodies)) == 1  # one read per pool for ten scrapes
+    await series.exposition()
+    assert Pool.reads == 2
+    await asyncio.sleep(0.25)
+    assert b'cachetier_pool_free_pages{pool="a"} 10' in await series.exposition()
+    assert Pool.reads == 4

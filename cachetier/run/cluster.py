@@ -197,6 +197,7 @@ class Cluster:
         self.metrics_url = ""
         self.nodes: list[Node] = []
         self.agents: dict[int, Node] = {}
+        self._agent_starts: dict[int, int] = {}
         self._zygote: AgentZygote | None = None
         self._pids: dict[str, int] = {}
         self._stack = contextlib.ExitStack()
@@ -286,10 +287,8 @@ class Cluster:
     def start_agent(self, rank: int) -> Node:
         """Start the agent of `rank` (forked from the zygote if there is one); it registers on
         its own. Its log is `agent-<rank>.log`, restarts append `agent-<rank>.<n>.log`."""
-        previous = self.agents.get(rank)
-        name = f"agent-{rank}"
-        if previous is not None:
-            name = f"agent-{rank}.{sum(n.name.startswith(name + '.') for n in self.nodes) + 1}"
+        starts = self._agent_starts[rank] = self._agent_starts.get(rank, 0) + 1
+        name = f"agent-{rank}" if starts == 1 else f"agent-{rank}.{starts - 1}"
         args = ["agent", "--service", self.service_url, "--pool", POOL, "--rank", str(rank),
                 "--tp-degree", str(self.settings.agents), "--device", "cpu",
                 "--handle-file", str(self.handle_file(rank)), *self._node_args()]

@@ -2,8 +2,9 @@
 
 `cachetier chaos` restarts an agent after every kill; `python -m cachetier.cli agent` spends
 seconds of CPU importing torch each time, more than the rest of a kill round. The zygote
-(`python -m cachetier.run.zygote`) imports the agent's modules once, then reads one JSON line per
-agent (`[argv, log path]`) and forks a child running `cachetier.cli.main(argv)`, its output in
+(`cachetier zygote`, a command the help does not list) imports the agent's modules once, then reads
+one JSON line per agent (`[argv, log path]`) and forks a child running the CLI's `main(argv)`
+(handed to `serve_forks`: this room does not import the CLI), its output in
 that log, in a session of its own, with SIGTERM as its parent-death signal (the zygote's own
 death takes every agent with it, as `up`'s death takes the zygote). It answers each line with
 the child's pid. It runs no thread and imports nothing per agent, so a fork is safe and cheap.
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cachetier.run.servers import parent_death_hook
@@ -78,7 +80,7 @@ class AgentZygote:
     def __enter__(self) -> AgentZygote:
         with open(self.log, "wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "cachetier.run.zygote"], text=True, env=self.env,
+                [sys.executable, "-m", "cachetier.cli", "zygote"], text=True, env=self.env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 start_new_session=True, preexec_fn=parent_death_hook())  # noqa: PLW1509
         return self
@@ -133,11 +135,10 @@ class AgentZygote:
             proc.wait()
 
 
-def _serve() -> None:
-    """The zygote's loop (see the module docstring)."""
+def serve_forks(main: Callable[[list[str]], int]) -> None:
+    """The zygote's loop (see the module docstring); `main` is the CLI's."""
     import torch  # noqa: F401  (the point: imported once, before any fork)
 
-    import cachetier.cli
     import cachetier.run.nodes  # noqa: F401
     import gpu_pool.agent  # noqa: F401
     pdeath = parent_death_hook()
@@ -157,11 +158,7 @@ def _serve() -> None:
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                code = cachetier.cli.main(argv)
+                code = main(argv)
             finally:
                 os._exit(code)
         print(pid, flush=True)
-
-
-if __name__ == "__main__":
-    _serve()
