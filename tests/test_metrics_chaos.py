@@ -117,7 +117,9 @@ async def test_chaos_campaign_serves_no_wrong_byte_and_leaks_nothing(cluster):
         report.problems
     assert (report.leaked_pins, report.leaked_pages, report.sanity) == (0, 0, "ok"), report
     assert report.not_serving_again == 0, report.problems
-    assert report.storm_published == 2 * options.storm_messages
+    # every storm published, or refused by a broker that authenticates its clients
+    assert report.storm_published + report.storm_refused * options.storm_messages \
+        == 2 * options.storm_messages, report
     assert 0 < report.restart_p50_s < 10
     assert report.retryable_errors.get("agent_lost", 0) > 0, report
     assert time.monotonic() - started < 60

@@ -140,7 +140,8 @@ class Campaign:
                         await self._model_check(tier, i)
                     bar.advance(note=f"{kind}: {self.tally.steps} steps, "
                                      f"{self.tally.hits_checked} hits checked, "
-                                     f"{self.report.wrong_hits + self.tally.wrong_hits} wrong")
+                                     f"{self.tally.wrong_hits + self.report.model_mismatches} "
+                                     "wrong")
             finally:
                 stop.set()
                 await asyncio.gather(*load, return_exceptions=True)
@@ -231,7 +232,7 @@ class Campaign:
         except aiomqtt.MqttError as exc:
             self.report.storm_refused += 1
             self.tally.problem(f"storm: the broker refused the forger: {exc}")
-        await asyncio.sleep(0.5)  # the watcher's settle delay before it acts on an offline
+        await asyncio.sleep(0.7)  # past the watcher's settle delay (0.5 s) before it acts
         await self._until_serving(tier, since)
         after = await self._epoch(tier)
         if before >= 0 and after > before:

@@ -124,7 +124,8 @@ def wrong_bytes(views: list[PagedPool], step: RequestPlan, tokens: list[int],
             want = state_pattern(tokens[:hit], group, page_bytes)[c.offset:c.offset + c.nbytes]
             got = view.buffer[:, c.dst, c.offset:c.offset + c.nbytes]
             if not torch.equal(got, want.expand_as(got)):
-                return f"{step.rid}: rank {rank} state page {c.dst} is not the {hit}-token checkpoint"
+                return (f"{step.rid}: rank {rank} state page {c.dst} is not the {hit}-token "
+                        "checkpoint")
         for pages in step.mla_pages:
             for first in range(0, hit, page_tokens):
                 page, n = pages[first // page_tokens], min(page_tokens, hit - first)

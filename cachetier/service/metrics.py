@@ -37,7 +37,8 @@ class StatsReader(Protocol):
 
 Indexes = Callable[[], Mapping[str, StatsReader]]  # `CacheTierService.indexes`
 
-# a step is 1-3 ms on one server, tens of ms under load or with WAIT, seconds when an agent times out
+# a step is 1-3 ms on one server, tens of ms under load or with WAIT, seconds when an agent
+# times out
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
                    10.0)
 
