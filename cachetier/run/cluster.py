@@ -362,7 +362,8 @@ class Cluster:
                      f"{self.redis_cluster.startup_nodes}")
         metrics = f"metrics {self.metrics_url}, " if self.metrics_url else ""
         return (f"service {self.service_url} (pool {POOL}, {self.settings.agents} CPU agents), "
-                f"{redis}, mqtt {self.mqtt.url}, credentials {self.run_dir / 'credentials'}")
+                f"{metrics}{redis}, mqtt {self.mqtt.url}, "
+                f"credentials {self.run_dir / 'credentials'}")
 
 
 def _unlink_pool_files(handle_file: Path) -> None:

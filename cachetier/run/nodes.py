@@ -55,6 +55,8 @@ async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
         service = await stack.enter_async_context(CacheTierService(settings,
                                                                    ObserverGroup(observers)))
         if mqtt is not None:
+            await stack.enter_async_context(LivenessWatcher(mqtt, service.agent_lost,
+                                                            known=service.knows_agent))
         if series is not None and metrics is not None:
             series.watch(service.indexes)
             endpoint = MetricsEndpoint(series, metrics.host, metrics.port)

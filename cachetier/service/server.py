@@ -346,28 +346,32 @@ class CacheTierService:
 
     async def _client_call(self, principal: Principal, quota: ClientQuota, message: Any) -> Any:
         """A client's call within its role and limits (`access`, `limits`): the role, sizes,
-        quotas, then the call."""
-        access.check_op(principal, message.op)
-        pool = getattr(message, "pool", None)
-        check_size(message, self.settings.limits, self.config_for(pool) if pool else self.config)
-        await quota.admit(message)
-        result = await self._dispatch(message)
-        quota.account(message, result)
-        return result
-
-    async def _dispatch(self, message: Any) -> Any:
+        quotas, then the call; every answer, refusals included, reaches the observer."""
         started = time.perf_counter()
+        pool = getattr(message, "pool", None)
         try:
+            access.check_op(principal, message.op)
             try:
-                reply = await self._handlers[type(message)](message)
-            except Exception as exc:
-                self._storage_failed(exc)
+                check_size(message, self.settings.limits,
+                           self.config_for(pool) if pool else self.config)
+                await quota.admit(message)
+            except LimitExceeded as exc:
+                self.observer.quota_rejected(pool, exc.limit)
                 raise
+            reply = await self._dispatch(message)
         except Exception as exc:
             self.observer.answered(message, None, classify(exc), time.perf_counter() - started)
             raise
+        quota.account(message, reply)
         self.observer.answered(message, reply, None, time.perf_counter() - started)
         return reply
+
+    async def _dispatch(self, message: Any) -> Any:
+        try:
+            return await self._handlers[type(message)](message)
+        except Exception as exc:
+            self._storage_failed(exc)
+            raise
 
     def _storage_failed(self, exc: BaseException) -> None:
         """A call that found a pool's storage behind this replica (anywhere in the chain of
