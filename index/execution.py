@@ -32,7 +32,7 @@ from redis.exceptions import (AskError, ClusterDownError, ClusterError, MovedErr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from index.redis_link import BoundedCluster, RedisClient, WriteNotAcknowledged
+from index.redis_link import BoundedCluster, RedisClient, WriteNotAcknowledged, torn_down_is_lost
 
 _REDIRECTS = 3  # MOVED replies followed before giving up (a failover moves a slot once)
 
@@ -115,7 +115,8 @@ async def _on_slot_master(cluster: BoundedCluster, key: str, command: tuple[Any,
             node = cluster.get_node_from_key(key, replica=False)
             commands = [PipelineCommand(0, *command), PipelineCommand(1, *wait)]
             try:
-                await node.execute_pipeline(commands)
+                with torn_down_is_lost():
+                    await node.execute_pipeline(commands)
             except (RedisConnectionError, RedisTimeoutError):
                 await _refresh(cluster)
                 raise

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -92,6 +92,20 @@ def parse_nodes(spec: str) -> tuple[tuple[str, int], ...]:
     return tuple(nodes)
 
 
+@contextlib.contextmanager
+def torn_down_is_lost() -> Iterator[None]:
+    """redis-py (8.1) races a node's connection torn down by a failover: a send finds its writer
+    gone (`'NoneType' object has no attribute 'writelines'`, seen in `bench cluster` and in a
+    failover under load, on a pipeline sent to a node directly). The node went away, which a
+    ConnectionError says, so callers retry it as they retry any lost connection."""
+    try:
+        yield
+    except AttributeError as exc:
+        if "'NoneType' object" not in str(exc):
+            raise
+        raise RedisConnectionError(f"connection torn down mid-call: {exc}") from exc
+
+
 class BoundedCluster(RedisCluster):
     """`RedisCluster` whose calls in flight are bounded: a call past the bound waits for one to
     finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection."""
@@ -121,15 +135,8 @@ class BoundedCluster(RedisCluster):
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.bounded():
-            try:
+            with torn_down_is_lost():
                 return await super().execute_command(*args, **kwargs)
-            except AttributeError as exc:
-                # redis-py (8.1) races a node's connection torn down by a failover: the send
-                # finds its writer gone (`'NoneType' object has no attribute 'writelines'`,
-                # seen in `bench cluster`); the node went away, which a ConnectionError says
-                if "'NoneType' object" not in str(exc):
-                    raise
-                raise RedisConnectionError(f"connection torn down mid-call: {exc}") from exc
 
     async def refresh_topology(self) -> None:
         """Read the slot map again (after a node failed or a slot moved under a pipeline that

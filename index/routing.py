@@ -39,7 +39,7 @@ from index.errors import StorageRollback, UnknownPool, from_reply
 from index.execution import LoadedScript
 from index.identity import PoolView
 from index.prefix import PrefixProbe
-from index.redis_link import BoundedCluster
+from index.redis_link import BoundedCluster, torn_down_is_lost
 from index.scripts import script_source
 from index.store import PrefixIndex
 
@@ -108,7 +108,8 @@ def _node(cluster: BoundedCluster, node: ClusterNode) -> Send:
     async def send(commands: list[tuple[Any, ...]]) -> list[Any]:
         sent = [PipelineCommand(n, *command) for n, command in enumerate(commands)]
         async with cluster.bounded():
-            await node.execute_pipeline(sent)
+            with torn_down_is_lost():
+                await node.execute_pipeline(sent)
         return [command.result for command in sent]
     return send
 

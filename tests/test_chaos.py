@@ -44,7 +44,7 @@ import torch
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
 from cachetier.run.nodes import run_service
-from cachetier.run.servers import MosquittoServer, RedisServer, parent_death_hook
+from cachetier.run.servers import MosquittoServer, parent_death_hook
 from cachetier.service.fleet import AgentLink
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.server import ServiceSettings
@@ -55,6 +55,7 @@ from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 from tests.cluster_harness import BLOCK, PAGE, SECRET, TINY, TOKEN, agent_token, running_service
 from tests.index_harness import commit_item, new_request
+from tests.redis_harness import AofRedis
 
 POOL = "p"
 CLIENTS = 6
@@ -563,22 +564,6 @@ async def test_agents_killed_mid_batch_fail_steps_retryably_and_leak_nothing(
             print(f"\nchaos kills: {KILL_ROUNDS} rounds, {tally.steps} steps ok, {tally.hits} "
                   f"hits, {tally.copies} copies, retryable errors {tally.retryable}, batches "
                   f"{[k.outcome for k in chaos.kills]}, {time.monotonic() - t0:.1f} s")
-
-
-class AofRedis(RedisServer):
-    """A TCP redis-server with every write fsynced to an append-only file in `data_dir`, which
-    outlives the process: restarting it (same port, same directory) keeps the metadata, as the
-    docker-compose deployment does."""
-
-    def __init__(self, data_dir: Path) -> None:
-        super().__init__(tcp=True)
-        self.data_dir = data_dir
-
-    def _command(self, workdir: Path) -> list[str]:
-        command = super()._command(workdir)
-        command[command.index("--appendonly") + 1] = "yes"
-        command[command.index("--dir") + 1] = str(self.data_dir)
-        return [*command, "--appendfsync", "always"]
 
 
 async def test_redis_restarted_under_load_the_service_reconnects_and_stays_consistent(

@@ -8,6 +8,8 @@ tests/test_cluster.py, which serves a prompt on it.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +21,7 @@ from cachetier.run.servers import RedisServer
 from index.lifecycle import RequestLifecycle
 from tests.cluster_harness import BLOCK, TOKEN, running_agent, running_service
 from tests.index_harness import commit_item, new_request, only
+from tests.redis_harness import AofRedis
 
 ACL = RedisAcl(service="service-pw", replica="replica-pw", operator="operator-pw")
 
@@ -40,6 +43,22 @@ def test_the_default_user_and_wrong_passwords_are_refused(server):
                                ("operator", "service-pw")):
         with pytest.raises(redis.AuthenticationError):
             login(server, username, password).ping()
+
+
+def test_a_script_write_survives_a_kill_and_restart_on_the_append_only_file(tmp_path):
+    """Redis replays its AOF as the default user: with the default user stripped of commands, a
+    script's MULTI/EXEC block was refused at load (NOPERM) and the index came back empty."""
+    script = ("redis.call('HSET', KEYS[1], 'f', 'v') redis.call('ZADD', KEYS[2], 1, 'm') "
+              "redis.call('HINCRBY', KEYS[1], 'n', 1) return 1")
+    server = AofRedis(tmp_path, acl=ACL)
+    with server:
+        login(server, "cachetier", "service-pw").eval(script, 2, "ct:{p}:a", "ct:{p}:b")
+        os.kill(server.pid, signal.SIGKILL)
+        server.stop()
+        server.start()
+        service = login(server, "cachetier", "service-pw")
+        assert service.hgetall("ct:{p}:a") == {b"f": b"v", b"n": b"1"}
+        assert service.zscore("ct:{p}:b", "m") == 1
 
 
 @pytest.mark.parametrize("command", [("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"),

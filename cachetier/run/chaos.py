@@ -38,6 +38,7 @@ import aiomqtt
 import torch
 
 from cachetier.client import CacheTierClient
+from cachetier.credentials import MqttLogin, Role
 from cachetier.engine.checkpoint_placement import PLACEMENTS
 from cachetier.engine.scheduler import EngineError, PrefillScheduler
 from cachetier.engine.sessions import SessionSpec, make_sessions
@@ -116,6 +117,7 @@ class Campaign:
         self.report = ChaosReport()
         self.workers = Workers([cluster.handle_file(r) for r in range(self.ranks)])
         self.restarts: list[float] = []
+        self.storms = 0
         self.model = TinyHybrid(self.config.model)
         cache = self.config.cache
         self.shape = LoadShape(POOL, cache.hash_block_tokens, cache.page_tokens,
@@ -217,21 +219,28 @@ class Campaign:
             await asyncio.sleep(0.001)
 
     async def _storm(self, tier: CacheTierClient) -> None:
-        """Forged statuses, as any client of an open broker could publish them."""
+        """Forged statuses, as a client of the broker could publish them: every other storm
+        anonymously (a broker with logins refuses the connection: counted, not a problem), the
+        others logged in with the observer's credential, a real login that the topic ACL lets
+        publish nothing (the broker takes the messages and drops them)."""
         before = await self._epoch(tier)
         since = time.monotonic()
         address = BrokerAddress.parse(self.cluster.mqtt.url)
+        self.storms += 1
+        login = {}
+        if self.storms % 2 == 0:
+            observer = MqttLogin.of(self.cluster.credentials.role(Role.OBSERVER))
+            login = {"username": observer.username, "password": observer.password}
         try:
             async with aiomqtt.Client(address.host, address.port,
                                       identifier=f"chaos-storm-{self.rng.getrandbits(32):x}",
-                                      timeout=5) as client:
+                                      timeout=5, **login) as client:
                 for i in range(self.options.storm_messages):
                     topic, payload = self._forged(i)
                     await client.publish(topic, payload, qos=0)
                     self.report.storm_published += 1
-        except aiomqtt.MqttError as exc:
+        except aiomqtt.MqttError:
             self.report.storm_refused += 1
-            self.tally.problem(f"storm: the broker refused the forger: {exc}")
         await asyncio.sleep(0.7)  # past the watcher's settle delay (0.5 s) before it acts
         await self._until_serving(tier, since)
         after = await self._epoch(tier)
@@ -303,7 +312,7 @@ class Campaign:
     async def _leaks(self) -> None:
         """Every request was released: no pin may be left, and every page is free or cached."""
         from redis.asyncio import Redis
-        redis = Redis.from_url(self.cluster.redis.url)
+        redis = Redis.from_url(self.cluster.redis.url, **self.cluster.redis.operator_login)
         try:
             state = await read_pool(redis, pool_keys(POOL))
         finally:

@@ -1,6 +1,10 @@
 """The ACL of the redis-servers the project starts (`cachetier up`, its Redis Cluster).
 
-The default user is off: a client that does not log in can run nothing. Three users:
+The default user is off: a client that does not log in can run nothing (every connection starts
+unauthenticated, and `default` has no password to log in with). It keeps its permissions though:
+Redis replays its append-only file as the default user, and a `nocommands` default made every
+script's MULTI/EXEC block fail to load (NOPERM) after a restart, the index silently emptied.
+Three users:
 
 - `cachetier`, the service: its pools' keys (`ct:*`) only, and only the commands it sends (the
   scripts by SHA or source, WAIT, the reads of `index.placement`, `index.store` and the storage
@@ -52,7 +56,7 @@ class RedisAcl:
 
         allowed = " ".join(f"+{command}" for command in (*SERVICE_COMMANDS, *SCRIPT_COMMANDS))
         replica = " ".join(f"+{command}" for command in REPLICA_COMMANDS)
-        return ["user default off resetpass nocommands resetkeys resetchannels",
+        return ["user default off resetpass ~* &* +@all",  # off; the AOF loader's permissions
                 user("cachetier", self.service, f"~{KEYS} resetchannels -@all {allowed}"),
                 user("replica", self.replica, f"resetkeys resetchannels -@all {replica}"),
                 user("operator", self.operator, "~* &* +@all")]
