@@ -22,7 +22,9 @@ import pytest
 import yaml
 
 from cachetier.cli import build_parser, main
+from cachetier.config import PRESETS
 from cachetier.events.mqtt import BrokerAddress
+from cachetier.run.redis_memory import index_maxmemory
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -97,7 +99,8 @@ def test_the_cluster_profile_runs_the_settings_the_index_needs(services: dict[st
             "--include": "/run/secrets/redis-replica.conf", "--cluster-enabled": "yes",
             "--cluster-config-file": "nodes.conf",
             "--cluster-node-timeout": "?", "--min-replicas-to-write": "1",
-            "--repl-diskless-sync-delay": "0", "--appendonly": "yes", "--appendfsync": "everysec"}
+            "--repl-diskless-sync-delay": "0", "--appendonly": "yes", "--appendfsync": "everysec",
+            "--maxmemory": "256mb", "--maxmemory-policy": "noeviction"}
         assert int(flags(node)["--cluster-node-timeout"]) <= 5000
         assert any(volume.split(":")[1] == "/data" for volume in node["volumes"])
     init = services["redis-cluster-init"]
@@ -122,6 +125,16 @@ def test_redis_persists_with_aof(services: dict[str, Any]) -> None:
     assert flags(redis)["--appendonly"] == "yes"
     assert any(volume.split(":")[1] == "/data" for volume in redis["volumes"])
     assert "ports" not in redis  # only the service talks to it
+
+
+@pytest.mark.parametrize("name", ["redis", "redis-node-0"])
+def test_redis_refuses_writes_past_a_bound_rather_than_evict(services: dict[str, Any],
+                                                             name: str) -> None:
+    """A Redis without `maxmemory` grows with whatever prompts clients leave held."""
+    server = flags(services[name])
+    assert server["--maxmemory-policy"] == "noeviction"
+    assert int(server["--maxmemory"].removesuffix("mb")) * 2**20 >= max(
+        index_maxmemory([config]) for config in PRESETS.values())
 
 
 def test_mosquitto_runs_the_written_configuration(services: dict[str, Any]) -> None:
