@@ -48,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=5, help="sessions (5)")
     parser.add_argument("--forks", type=int, default=2, help="sessions forking another (2)")
     parser.add_argument("--turns", type=int, default=4, help="turns per session (4)")
-    parser.add_argument("--tool-tokens", type=_token_range, default=(0, 0), metavar="LO,HI",
+    parser.add_argument("--tool-tokens", type=_token_range,
+                        default=WorkloadSpec.tool_tokens, metavar="LO,HI",
                         help="a tool output of LO..HI tokens in every later turn (an agent "
-                             "reading files or search results; default none)")
+                             "reading files or search results; default 1000,2500; 0,0: none)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="model directory (default: the tiny Qwen3-Next "

@@ -3,7 +3,7 @@
 Sessions start from one of a few shared system prompts; each turn's prompt is the previous prompt,
 the assistant's answer (synthetic tokens: the workload must not depend on what a random model says),
 a tool's output where the spec asks for one (an agent reading a file or a search result:
-`tool_tokens`, none by default) and a new user message. Some sessions fork from another session's
+`tool_tokens`: 1,000 to 2,500 tokens by default) and a new user message. Some sessions fork from another session's
 turn (a retry or a parallel tool call): their first prompt is that turn's prompt plus a new message.
 Requests are sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin:
 session `s` goes to engine `(s + t) % K` in round `t`, so a session's successive turns land on
@@ -32,7 +32,7 @@ class WorkloadSpec:
     system_tokens: int = 2350
     user_tokens: tuple[int, int] = (150, 500)
     answer_tokens: int = 64
-    tool_tokens: tuple[int, int] = (0, 0)
+    tool_tokens: tuple[int, int] = (1000, 2500)  # (0, 0): none
     vocab: int = 512
     seed: int = 0
 
