@@ -187,6 +187,16 @@ class RoundTrips:
         return result, sorted(self.sent)
 
 
+async def hold_growing_prefixes(indexes: list[PrefixIndex]) -> None:
+    """Pool n created and holding DOC's first n + 1 blocks (committed and confirmed)."""
+    for n, index in enumerate(indexes):
+        await index.create()
+        async with RequestLifecycle(index) as steps:
+            tokens = DOC[:BLOCK * (n + 1) + 1]
+            plan = await steps.plan([new_request("w", tokens, len(tokens), BLOCK)])
+            await steps.finish([commit_item(only(plan), len(tokens), True, True, BLOCK)])
+
+
 async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_pool(
         redis_cluster, cluster_client, monkeypatch):
     """Six pools placed two per shard, each holding a different prefix of one prompt: a route
@@ -197,14 +207,9 @@ async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_po
     indexes = []
     for n in range(6):
         pool = f"route{n}"
-        index = PrefixIndex(cluster_client, pool, TINY, acks=ReplicaAcks(),
-                            tag=await placement.resolve(pool, create=True))
-        await index.create()
-        async with RequestLifecycle(index) as steps:
-            tokens = DOC[:BLOCK * (n + 1) + 1]
-            plan = await steps.plan([new_request("w", tokens, len(tokens), BLOCK)])
-            await steps.finish([commit_item(only(plan), len(tokens), True, True, BLOCK)])
-        indexes.append(index)
+        indexes.append(PrefixIndex(cluster_client, pool, TINY, acks=ReplicaAcks(),
+                                   tag=await placement.resolve(pool, create=True)))
+    await hold_growing_prefixes(indexes)
     hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
     own = [await index.probe(200, hashes) for index in indexes]
     assert sorted(p.hit_tokens for p in own) == [BLOCK * n for n in range(1, 7)]
@@ -232,15 +237,8 @@ async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_po
 async def test_route_on_one_server_is_one_round_trip_for_every_pool(redis, monkeypatch):
     """One server is one shard: the probes of every pool go in one pipeline, answers as the
     pools' own probes (and a node without the script cached gets its source in a second)."""
-    indexes = []
-    for n in range(3):
-        index = PrefixIndex(redis, f"one{n}", TINY)
-        await index.create()
-        async with RequestLifecycle(index) as steps:
-            tokens = DOC[:BLOCK * (n + 1) + 1]
-            plan = await steps.plan([new_request("w", tokens, len(tokens), BLOCK)])
-            await steps.finish([commit_item(only(plan), len(tokens), True, True, BLOCK)])
-        indexes.append(index)
+    indexes = [PrefixIndex(redis, f"one{n}", TINY) for n in range(3)]
+    await hold_growing_prefixes(indexes)
     hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
     own = [await index.probe(200, hashes) for index in indexes]
     await redis.script_flush()
