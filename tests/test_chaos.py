@@ -43,6 +43,7 @@ import torch
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
+from cachetier.run.chaos_load import release_for_sure
 from cachetier.run.nodes import run_service
 from cachetier.run.servers import MosquittoServer, parent_death_hook
 from cachetier.service.fleet import AgentLink
@@ -389,19 +390,6 @@ class Tally:
             self.bad.append(f"{op}: {type(exc).__name__}: {exc}")
 
 
-async def release_for_sure(tier: CacheTierClient, rid: str, tally: Tally) -> None:
-    """A scheduler releases a request whatever happened to it (a failed plan may have happened
-    on the service); retried while Redis or the connection is down, bounded."""
-    async with asyncio.timeout(15):
-        while True:
-            try:
-                await tier.release(POOL, [rid])
-                return
-            except CacheTierError as exc:
-                tally.failed("release", exc)
-                await asyncio.sleep(0.05)
-
-
 async def one_request(tier: CacheTierClient, chaos: Chaos, rid: str, tokens: list[int],
                       tally: Tally) -> StepPlan | None:
     """Plan, check the hit's bytes, forward, commit, confirm, release. Any error must be
@@ -436,7 +424,7 @@ async def one_request(tier: CacheTierClient, chaos: Chaos, rid: str, tokens: lis
         tally.bad.append(str(exc))
         return None
     finally:
-        await release_for_sure(tier, rid, tally)
+        await release_for_sure(tier, POOL, rid, tally.failed, timeout_s=15)
 
 
 async def client_loop(url: str, chaos: Chaos, n: int, stop: asyncio.Event,

@@ -32,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from cachetier.cli import build_parser
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
+from cachetier.run.chaos_load import release_for_sure
 from cachetier.run.redis_cluster import ClusterShape, LocalRedisCluster
 from cachetier.service.server import ServiceSettings, describe
 from index.errors import StorageRollback
@@ -315,14 +316,7 @@ async def one_request(tier: CacheTierClient, pool: str, rid: str, tokens: list[i
         tickets.failed(op, exc)
         await asyncio.sleep(0.02)
     finally:
-        async with asyncio.timeout(30):
-            while True:
-                try:
-                    await tier.release(pool, [rid])
-                    break
-                except CacheTierError as exc:
-                    tickets.failed("release", exc)
-                    await asyncio.sleep(0.05)
+        await release_for_sure(tier, pool, rid, tickets.failed, timeout_s=30)
 
 
 async def load(url: str, pool: str, n: int, stop: asyncio.Event, tickets: Tickets) -> None:

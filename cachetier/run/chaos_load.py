@@ -201,24 +201,26 @@ async def one_request(tier: CacheTierClient, workers: Workers, shape: LoadShape,
         tally.failed(op, exc)
         await asyncio.sleep(random.uniform(0.005, 0.03))
     finally:
-        await release_for_sure(tier, shape.pool, rid, tally)
+        try:
+            await release_for_sure(tier, shape.pool, rid, tally.failed, _RELEASE_TIMEOUT_S)
+        except TimeoutError:
+            tally.non_retryable += 1
+            tally.problem(f"release of {rid} did not succeed within {_RELEASE_TIMEOUT_S:g} s")
 
 
-async def release_for_sure(tier: CacheTierClient, pool: str, rid: str, tally: Tally) -> None:
-    """A scheduler releases a request whatever happened to it, retrying while the service
-    cannot (Redis down, a recovery), within a bound."""
-    try:
-        async with asyncio.timeout(_RELEASE_TIMEOUT_S):
-            while True:
-                try:
-                    await tier.release(pool, [rid])
-                    return
-                except CacheTierError as exc:
-                    tally.failed("release", exc)
-                    await asyncio.sleep(0.05)
-    except TimeoutError:
-        tally.non_retryable += 1
-        tally.problem(f"release of {rid} did not succeed within {_RELEASE_TIMEOUT_S:g} s")
+async def release_for_sure(tier: CacheTierClient, pool: str, rid: str,
+                           failed: Callable[[str, BaseException], None], timeout_s: float) -> None:
+    """A scheduler releases a request whatever happened to it (a failed plan may have happened on
+    the service), retrying while the service cannot (Redis down, a failover, a recovery), each
+    failure told to `failed`; TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                await tier.release(pool, [rid])
+                return
+            except CacheTierError as exc:
+                failed("release", exc)
+                await asyncio.sleep(0.05)
 
 
 async def client_loop(connect: Callable[[], CacheTierClient], workers: Workers,
