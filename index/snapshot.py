@@ -10,11 +10,13 @@ everything, so they are for tests and operators, never for the hot path.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 from redis.asyncio import Redis
 
+from eviction.policy import CLASSES
 from index.records import IndexStats
 from index.reference import PoolState, pack_ids
 from index.tickets import compose, split
@@ -22,20 +24,23 @@ from index.tickets import compose, split
 _TEXT_FIELDS = ("k", "st", "owner", "cls")
 
 
-async def read_pool(redis: Redis, keys: list[str]) -> PoolState:
-    meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k, rf_k, path_k, lease_k = keys
+async def read_pool(redis: Redis, keys: list[str], classes: Sequence[str] = CLASSES) -> PoolState:
+    (meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k, rf_k, path_k, lease_k,
+     refs_k, ckr_k) = keys
     pipe = redis.pipeline(transaction=True)
     pipe.hgetall(meta_k).hgetall(pages_k).lrange(free_k, 0, -1).hgetall(ep_k).hgetall(ck_k)
     pipe.zrange(lru_k, 0, -1, withscores=True).hgetall(req_k).hgetall(reqh_k).hgetall(tix_k)
     pipe.hgetall(rf_k).hgetall(path_k).zrange(lease_k, 0, -1, withscores=True)
-    meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path, lease = await pipe.execute()
+    pipe.hgetall(refs_k).hgetall(ckr_k)
+    (meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path, lease,
+     refs, ckr) = await pipe.execute()
     clock = float(meta.get(b"clock", 0))
     meta = {k.decode(): int(float(v)) for k, v in meta.items()
             if not k.startswith(b"w_") and k != b"holder"}  # weights, the storage's name
     return PoolState(
         epoch=meta["epoch"], fresh=meta["fresh"], tick=meta["tick"], ticket=meta["ticket"],
         clock=clock,
-        pages=_records(pages, rf, path),
+        pages=_records(pages, rf, path, refs, ckr, classes),
         free=deque(int(x) for x in free),
         ep={h: tuple(msgpack.unpackb(v)) for h, v in ep.items()},
         ck={h: int(v) for h, v in ck.items()},
@@ -64,16 +69,27 @@ def recount(state: PoolState, num_pages: int) -> IndexStats:
                       durable_checkpoints=state.durable_checkpoints())
 
 
-def _records(pages: dict[bytes, bytes], rf: dict[bytes, bytes],
-             path: dict[bytes, bytes]) -> dict[int, dict[str, Any]]:
-    """Lead records with the ready fill and path the scripts keep in hashes of their own merged
-    back in, as the reference model holds them."""
+def _records(pages: dict[bytes, bytes], rf: dict[bytes, bytes], path: dict[bytes, bytes],
+             refs: dict[bytes, bytes], ckr: dict[bytes, bytes],
+             classes: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """Lead records with the pins, ready fill and path the scripts keep in hashes of their own
+    merged back in, as the reference model holds them. Pins must be kept for exactly the
+    registered sets, and the `ckr` entries (what matching reads of a ready checkpoint) must say
+    what the records say, a class as its place in `classes` (the scripts' ScriptConstants):
+    AssertionError otherwise."""
     out = {}
     for key, raw in pages.items():
         rec = _record(msgpack.unpackb(raw, raw=True))
+        private = rec["st"] == "private"
+        assert (key in refs) != private, f"page {int(key)}: pins kept for a private set, or missing"
+        rec["ref"] = 1 if private else int(refs[key])  # a private set's owner pin is implied
         if key in rf:
             rec["rf"], rec["path"] = int(rf[key]), path.get(key, b"")
         out[int(key)] = rec
+    assert refs.keys() <= pages.keys(), "pins kept for a page set that is gone"
+    expected = {rec["h"]: bytes([classes.index(rec["cls"]) + 1]) + pack_ids(rec["pages"])
+                for rec in out.values() if rec["k"] == "K" and rec["st"] == "ready" and "h" in rec}
+    assert ckr == expected, "the ready checkpoints matching reads disagree with their records"
     return out
 
 

@@ -37,7 +37,7 @@ from index.scripts import Scripts
 from index.tickets import compose, random_nonce, split
 
 KEY_NAMES = ("meta", "pages", "free", "ep", "ck", "lru", "req", "reqh", "tix", "rf", "path",
-             "lease")
+             "lease", "refs", "ckr")
 _POOL_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
@@ -357,21 +357,25 @@ def _removals(raw: Any) -> list[Removal]:
     return [Removal(kind.decode(), h) for kind, h in _list(raw)]
 
 
-def _page_table(shared: bytes, own: list[list[int]], groups: int) -> list[list[int]]:
-    """[group][slot]: the cached slots arrive packed (uint32 per page, slot-major), the request's
-    own page sets after them."""
-    table = np.frombuffer(shared, dtype="<u4").reshape(-1, groups).T.tolist()
-    for page_set in own:
-        for g in range(groups):
-            table[g].append(page_set[g])
-    return table
+# plan_step.lua's COPY_FORMAT: one restore or copy-on-write copy, packed little-endian
+COPY_DTYPE = np.dtype([("src", "<u4"), ("dst", "<u4"), ("offset", "<u8"), ("nbytes", "<u8")])
+
+
+def _ids(packed: bytes) -> list[int]:
+    return np.frombuffer(packed, dtype="<u4").tolist()
+
+
+def _page_table(shared: bytes, own: bytes, groups: int) -> list[list[int]]:
+    """[group][slot]: the cached slots, then the request's own page sets (uint32 per page,
+    slot-major)."""
+    return np.frombuffer(shared + own, dtype="<u4").reshape(-1, groups).T.tolist()
 
 
 def _request_plan(r: dict[str, Any], groups: int) -> RequestPlan:
     return RequestPlan(
         rid=r["rid"].decode(), hit_tokens=r["hit"], start=r["start"], stop=r["stop"],
-        mla_pages=_page_table(r["shared"], _list(r["own"]), groups),
-        state_pages=list(_list(r["state"])),
-        checkpoint_pages=list(_list(r["ckpt"])), checkpoint_tokens=r["ckpt_tokens"],
-        copies=[PageCopy(*c) for c in _list(r["copies"])], match_tokens=r["match"])
+        mla_pages=_page_table(r["shared"], r["own"], groups), state_pages=_ids(r["state"]),
+        checkpoint_pages=_ids(r["ckpt"]), checkpoint_tokens=r["ckpt_tokens"],
+        copies=[PageCopy(*c) for c in np.frombuffer(r["copies"], dtype=COPY_DTYPE).tolist()],
+        match_tokens=r["match"])
 

@@ -194,6 +194,23 @@ async def test_a_pool_stored_before_the_counter_starts_a_new_epoch_if_it_has_che
     await counted(index, snapshot)
 
 
+async def test_a_pool_stored_with_an_older_record_layout_starts_a_new_epoch_if_it_has_pages(
+        redis) -> None:
+    """Records of another layout (pins inside the record, no `refs` or `ckr`) would be misread:
+    create_pool starts such a pool over, unless it holds no page set."""
+    index, snapshot = await redis_face(redis)
+    await index.create()
+    await redis.hdel(index.keys[0], "layout")
+    assert await index.create() == 1
+    await steps(index, "a", ["turn"], new_request("a", DOC[:40], 8, 4))
+    assert (await index.stats()).checkpoints == 1
+    await redis.hdel(index.keys[0], "layout")
+    assert await index.create() == 2
+    assert await index.stats() == IndexStats(2, 64, 64, 0, 0, 0, 0, 0)
+    assert await redis.hget(index.keys[0], "layout") is not None
+    await counted(index, snapshot)
+
+
 async def test_the_service_answers_the_counters_of_the_index(agent, tier, redis) -> None:
     """`TierPool.stats()` (the wire's PoolStats) equals `PrefixIndex.stats()` on the same pool,
     and both the recount of its records, mid-flow (a request held, a commit pending)."""

@@ -135,8 +135,12 @@ class IndexMachine(RuleBasedStateMachine):
                                     stop_at_resend_point=data.draw(st.booleans()),
                                     turn_end_kind=data.draw(st.none() | st.sampled_from(KEPT))))
             tokens[rid] = toks
+        room = self.config.cache.max_batch - len(requests)  # no step over max_batch
         for rid, state in sorted(self.status.items()):
+            if room == 0:
+                break
             if state == "committed" and data.draw(st.booleans(), label=f"continue {rid}"):
+                room -= 1
                 requests.append(StepRequest(rid, data.draw(st.integers(1, 40)),
                                             stop_at_match=data.draw(st.booleans()),
                                             stop_at_page_end=data.draw(st.booleans()),

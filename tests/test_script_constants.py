@@ -160,7 +160,7 @@ async def test_a_class_added_in_python_reaches_every_script(redis: Redis) -> Non
     index = await index_with(redis, more, {"w_bonus_archived": 3 * TIER, "w_value_archived": 0.5})
     lead = await plan(index)
     await commit(index, "archived")
-    state = await read_pool(redis, index.keys)
+    state = await read_pool(redis, index.keys, more.classes)
     sanity_check(state, CONFIG.cache.num_pages, CONFIG.cache.blocks_per_page)
     rec = state.pages[lead]
     anchor = state.pages[rec["anchor"]]

@@ -79,6 +79,7 @@ local function attach(rid, lead, rec, slot, hash_at)
     save_lead(m, e[1], parent)
   end
   redis.call("HSET", K_RF, lead, 0)
+  set_ref(lead, 1)  -- its owner's pin, implied while it was private
   rec.par, rec.st, rec.depth, rec.eps, rec.cks, rec.fill = par, "pending", (slot + 1) * PB * B, {}, {}, 0
   rec.cn, rec.cg = class_zeros(), class_zeros()
   return true
@@ -122,7 +123,8 @@ local function register_checkpoint(rid, r, hash_at, blocks, kind, p)
     return existing and "duplicate" or "unanchored"
   end
   local rec = get_rec(ck_lead)
-  rec.st, rec.ref, rec.owner, rec.h, rec.anchor = "pending", 0, "", h, e[1]
+  rec.st, rec.owner, rec.h, rec.anchor = "pending", "", h, e[1]
+  set_ref(ck_lead, 0)
   rec.cls, rec.gain, rec.depth, rec.tk = kind, (blocks - r.pck) * B, blocks * B, ticket
   if kind == "intermediate" then rec.dur = 0 else rec.dur = 1 end
   stamp(m, rec)
@@ -141,7 +143,7 @@ local function register_checkpoint(rid, r, hash_at, blocks, kind, p)
     local old = redis.call("HGET", K_CK, r.inter)
     if old then
       local orec = get_rec(tonumber(old))
-      if orec.st == "ready" and orec.ref == 0 and orec.cls == "intermediate" then drop_checkpoint(m, r.inter, removed) end
+      if orec.st == "ready" and get_ref(old) == 0 and orec.cls == "intermediate" then drop_checkpoint(m, r.inter, removed) end
     end
   end
   if kind == "intermediate" then r.inter = h else r.inter = "" end

@@ -38,6 +38,7 @@ local function settle(item)
     local rec = get_rec(item.ck)
     rec.st = "ready"
     save_lead(m, item.ck, rec)
+    put_ready(rec)
   end
 end
 

@@ -45,12 +45,21 @@ end
 -- bounded time, so if it has any it starts a new epoch (as when its agents restart).
 if redis.call("HEXISTS", K_META, "durable_cks") == 0 then
   if redis.call("HLEN", K_CK) > 0 then
-    redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH,
-                K_LEASE)
+    redis.call("UNLINK", unpack(EPOCH_KEYS))
     redis.call("HINCRBY", K_META, "epoch", 1)
     redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0)
   end
   redis.call("HSET", K_META, "durable_cks", 0)
+end
+-- A pool stored with another record layout (lib.lua LAYOUT) holds records these scripts would
+-- misread: if it has any, it starts a new epoch too.
+if tonumber(redis.call("HGET", K_META, "layout")) ~= LAYOUT then
+  if redis.call("HLEN", K_PAGES) > 0 then
+    redis.call("UNLINK", unpack(EPOCH_KEYS))
+    redis.call("HINCRBY", K_META, "epoch", 1)
+    redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0, "durable_cks", 0)
+  end
+  redis.call("HSET", K_META, "layout", LAYOUT)
 end
 redis.call("HSETNX", K_META, "clock", 0)
 for field, value in pairs(given) do redis.call("HSET", K_META, field, value) end

@@ -18,8 +18,7 @@ if ARGV[1] ~= "" then
   if seen == nil then fail("BADINPUT", "epoch must be an integer or empty") end
   if seen ~= m.epoch then return m.epoch end
 end
-redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH,
-           K_LEASE)
+redis.call("UNLINK", unpack(EPOCH_KEYS))
 redis.call("HSET", K_META, "epoch", m.epoch + 1, "fresh", 0, "lru_pages", 0, "durable_cks", 0,
            "wc", m.wc + 1)
 return m.epoch + 1

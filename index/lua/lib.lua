@@ -17,6 +17,11 @@
 --                        as little-endian uint32 page ids: the page table of any hit through it
 --   KEYS[12] lease ZSET  request id -> the deadline (ms) of its lease, for the requests planned
 --                        or pinned with one: the reaper (release.lua) releases them past it
+--   KEYS[13] refs  HASH  registered lead -> its pins (`ref` below): a pin is one field, no record
+--                        decoded; a private set has none (its one pin, its owner's, is implied)
+--   KEYS[14] ckr   HASH  ready checkpoint: boundary chained hash -> its class (one byte, its
+--                        CLASS_INDEX) and its page set (little-endian uint32 ids, the lead first):
+--                        matching probes it alone and restoring reads it, no record decoded
 --
 -- A "page set" is one page per cache group of one kind (MLA or KDA), allocated, pinned and freed
 -- as a unit; its first page is the lead and holds the record; the other pages have none.
@@ -31,8 +36,9 @@
 --   pages   list   the set's page ids, one per cache group of its kind; pages[1] is the lead
 --   st      str    "private" (its request's alone), "pending" (registered, never matched until
 --                  its ticket is confirmed: invariant 2) or "ready"
---   ref     int    pins: 1 while its owner holds it, plus 1 per hit or reader pinning it (MLA
---                  anchor) or per restore copying it (checkpoint); evictable only at 0
+--   ref     int    (kept in `refs`, not in the record) pins: 1 while its owner holds it, plus 1
+--                  per hit or reader pinning it (MLA anchor) or per restore copying it
+--                  (checkpoint); evictable only at 0
 --   owner   str    request id that allocated it; "" once registered (checkpoint) or released
 --   lu      int    meta.tick when last used (the recency term of `score`)
 --   lc      num    meta.clock when last used (the GreedyDual term of `score`)
@@ -105,11 +111,19 @@
 --   wc               write calls so far, never going back (save_meta; reconcile_pool jumps it):
 --                    a pool behind a caller's view of it lost writes (index.identity)
 --   holder           the storage instance that last vouched for the pool (reconcile_pool)
+--   layout           the record layout its keys hold (LAYOUT below; create_pool sets it)
 --   w_*              the eviction weights: WEIGHT_FIELDS (EvictionWeights.as_pool_fields)
 
-local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE =
+local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
+      K_REFS, K_CKR =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10],
-  KEYS[11], KEYS[12]
+  KEYS[11], KEYS[12], KEYS[13], KEYS[14]
+-- Every key of the pool but meta: what a new epoch UNLINKs (a fixed set, O(1) each).
+local EPOCH_KEYS = {K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
+                    K_REFS, K_CKR}
+-- The record layout: 2 keeps pins in `refs` and ready checkpoints in `ckr` (create_pool starts
+-- a pool stored with an older layout over in a new epoch).
+local LAYOUT = 2
 
 local function fail(code, msg)
   error({err = "CT_" .. code .. " " .. msg})
@@ -144,6 +158,21 @@ local function class_weights(m)
   end
 end
 
+-- The meta fields every call reads (one HMGET); the weights are read on first use (`weights`),
+-- since most calls score nothing.
+local META_FIELDS = {"num_pages", "blocks_per_page", "block_tokens", "hash_len", "kda_groups",
+                     "mla_groups", "mla_token_bytes", "kda_state_bytes", "max_batch", "epoch",
+                     "fresh", "tick", "ticket", "lru_pages", "clock", "durable_cks", "wc"}
+local WEIGHT_LIST = {}
+for field in pairs(WEIGHT_FIELDS) do WEIGHT_LIST[#WEIGHT_LIST + 1] = field end
+
+local function weights(m)
+  if m.wb then return end
+  local raw = redis.call("HMGET", K_META, unpack(WEIGHT_LIST))
+  for i, field in ipairs(WEIGHT_LIST) do m[field] = tonumber(raw[i]) end
+  class_weights(m)
+end
+
 -- The write count of the meta this call loaded (then saved), returned with every reply.
 local META_WC = 0
 
@@ -164,17 +193,16 @@ local function check_view(m, view)
 end
 
 local function load_meta(view)
-  local raw = redis.call("HGETALL", K_META)
-  if #raw == 0 then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
+  local raw = redis.call("HMGET", K_META, unpack(META_FIELDS))
   local m = {}
-  for i = 1, #raw, 2 do m[raw[i]] = tonumber(raw[i + 1]) end
+  for i, field in ipairs(META_FIELDS) do m[field] = tonumber(raw[i]) end
+  if m.epoch == nil then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
   m.wc = m.wc or 0  -- a pool stored before the write count: none counted yet
   META_WC = m.wc
   if view ~= nil then
     local want = check_view(m, view)
     if want ~= m.epoch then fail("STALE", "pool epoch is " .. m.epoch .. ", caller has " .. want) end
   end
-  class_weights(m)
   return m
 end
 
@@ -201,46 +229,79 @@ end
 local function get_ep(h) return get_packed(K_EP, h) end
 local function get_req(rid) return get_packed(K_REQ, rid) end
 
--- Lead records are decoded at most once per call and encoded and written once, by `reply`
--- (flush_recs): a step touches the same lead several times (pin, reclass, its page set), and a
+-- Lead records and their pins are read at most once per call and written once, by `reply`
+-- (flush_cached): a step touches the same lead several times (pin, reclass, its page set), and a
 -- decode or an encode costs about as much as the HGET or HSET around it. Every read and write of
--- `pages` goes through get_rec, put_rec and free_set, so the cache is never stale; a script whose
--- writes must land returns through `reply`.
-local RECS, DIRTY, DIRTY_IDS = {}, {}, {}  -- id -> record (false: none); ids to write, in order
-local FLUSH_PAIRS = 1000                   -- field-value pairs per HSET, well under Lua's stack
+-- `pages` and `refs` goes through these caches (get_rec, put_rec, get_ref, set_ref, free_set),
+-- so they are never stale; a script whose writes must land returns through `reply`.
+local FLUSH_PAIRS = 1000  -- field-value pairs per HSET, well under Lua's stack
 
-local function get_rec(id)
-  id = tonumber(id)
-  local rec = RECS[id]
-  if rec == nil then
-    local raw = redis.call("HGET", K_PAGES, id)
-    rec = raw and cmsgpack.unpack(raw) or false
-    RECS[id] = rec
-  end
-  return rec or nil
+-- `encoded` holds a value's encoding made with it (put_encoded), used while nobody has read the
+-- value back (a reader may change it).
+local function field_cache(key, decode, encode)
+  return {key = key, decode = decode, encode = encode, vals = {}, dirty = {}, order = {},
+          encoded = {}}
 end
 
-local function put_rec(id, rec)
-  id = tonumber(id)
-  RECS[id] = rec
-  if not DIRTY[id] then
-    DIRTY[id] = true
-    DIRTY_IDS[#DIRTY_IDS + 1] = id
+local RECS = field_cache(K_PAGES, cmsgpack.unpack, cmsgpack.pack)  -- id -> record (false: none)
+local REFS = field_cache(K_REFS, tonumber, tostring)               -- id -> pins (false: none)
+
+local function cache_get(c, id)
+  local v = c.vals[id]
+  if v == nil then
+    local raw = redis.call("HGET", c.key, id)
+    v = raw and c.decode(raw) or false
+    c.vals[id] = v
+  end
+  c.encoded[id] = nil
+  return v or nil
+end
+
+local function cache_put(c, id, v)
+  c.vals[id], c.encoded[id] = v, nil
+  if not c.dirty[id] then
+    c.dirty[id] = true
+    c.order[#c.order + 1] = id
   end
 end
 
-local function flush_recs()
-  local args = {}
-  for _, id in ipairs(DIRTY_IDS) do
-    if DIRTY[id] and RECS[id] then
-      args[#args + 1], args[#args + 2] = id, cmsgpack.pack(RECS[id])
-    end
-    DIRTY[id] = nil
-  end
-  DIRTY_IDS = {}
+local function cache_put_encoded(c, id, v, encoded)
+  cache_put(c, id, v)
+  c.encoded[id] = encoded
+end
+
+local function cache_drop(c, id)
+  c.vals[id], c.dirty[id], c.encoded[id] = false, nil, nil
+  redis.call("HDEL", c.key, id)
+end
+
+-- Field, value pairs written with as few HSETs as Lua's stack allows.
+local function hset_pairs(key, args)
   for i = 1, #args, 2 * FLUSH_PAIRS do
-    redis.call("HSET", K_PAGES, unpack(args, i, math.min(#args, i + 2 * FLUSH_PAIRS - 1)))
+    redis.call("HSET", key, unpack(args, i, math.min(#args, i + 2 * FLUSH_PAIRS - 1)))
   end
+end
+
+local function cache_flush(c)
+  local args = {}
+  for _, id in ipairs(c.order) do
+    if c.dirty[id] and c.vals[id] then
+      args[#args + 1], args[#args + 2] = id, c.encoded[id] or c.encode(c.vals[id])
+    end
+    c.dirty[id] = nil
+  end
+  c.order, c.encoded = {}, {}
+  hset_pairs(c.key, args)
+end
+
+local function get_rec(id) return cache_get(RECS, tonumber(id)) end
+local function put_rec(id, rec) cache_put(RECS, tonumber(id), rec) end
+local function get_ref(id) return cache_get(REFS, tonumber(id)) end
+local function set_ref(id, n) cache_put(REFS, tonumber(id), n) end
+
+local function flush_cached()
+  cache_flush(RECS)
+  cache_flush(REFS)
 end
 
 local function get_rf(lead)
@@ -260,6 +321,19 @@ local function pack_ids(ids)
   return table.concat(out)
 end
 
+-- An MLA lead's page set: the lead alone with one MLA group, so no record is read for it.
+local function mla_pages(m, lead)
+  if m.mla_groups == 1 then return {lead} end
+  return get_rec(lead).pages
+end
+
+-- The ids pack_ids packed, from byte `first` of the blob on.
+local function unpack_ids(blob, first)
+  local out = {}
+  for i = first, #blob - 3, 4 do out[#out + 1] = struct.unpack("<I4", blob, i) end
+  return out
+end
+
 local function block_hash(blob, hl, i)
   return string.sub(blob, (i - 1) * hl + 1, i * hl)
 end
@@ -268,6 +342,7 @@ end
 -- bonus and the value per page freed over what evicting `rec` removes (a checkpoint: itself; an
 -- MLA page: itself and the checkpoints anchored on it).
 local function terms(m, rec)
+  weights(m)
   local freed = #rec.pages
   if rec.k == "K" then
     local i = CLASS_INDEX[rec.cls]
@@ -296,15 +371,25 @@ local function stamp(m, rec)
   rec.lu, rec.lc = m.tick, m.clock
 end
 
-local function evictable(rec)
-  return rec.st == "ready" and rec.ref == 0 and (rec.k == "K" or rec.kids == 0)
+local function evictable(id, rec)
+  return rec.st == "ready" and get_ref(id) == 0 and (rec.k == "K" or rec.kids == 0)
 end
 
--- The single place that decides LRU membership: call after every change to a lead record.
--- meta.lru_pages counts the pages of every member, so a step's capacity check is O(1).
+-- A ready checkpoint's `ckr` entry, under its hash: its class and its page set.
+local function put_ready(rec)
+  redis.call("HSET", K_CKR, rec.h, string.char(CLASS_INDEX[rec.cls]) .. pack_ids(rec.pages))
+end
+
+-- The class, the page set and the lead of a `ckr` entry.
+local function ready_class(entry) return CLASSES[string.byte(entry, 1)] end
+local function ready_pages(entry) return unpack_ids(entry, 2) end
+local function ready_lead(entry) return (struct.unpack("<I4", entry, 2)) end
+
+-- The single place that decides LRU membership: call after every change to a lead record or its
+-- pins. meta.lru_pages counts the pages of every member, so a step's capacity check is O(1).
 local function save_lead(m, id, rec)
   put_rec(id, rec)
-  if evictable(rec) then
+  if evictable(id, rec) then
     m.lru_pages = m.lru_pages + #rec.pages * redis.call("ZADD", K_LRU, score(m, rec), id)
   else
     m.lru_pages = m.lru_pages - #rec.pages * redis.call("ZREM", K_LRU, id)
@@ -324,30 +409,72 @@ local function reclass(m, lead, rec, cls)
   m.durable_cks = m.durable_cks + rec.dur
   save_lead(m, rec.anchor, anchor)
   save_lead(m, lead, rec)
+  if rec.st == "ready" then put_ready(rec) end
 end
 
 local function free_count(m)
   return redis.call("LLEN", K_FREE) + (m.num_pages - m.fresh)
 end
 
+-- A new private lead record as msgpack, the map alloc_set makes, assembled from its constant
+-- parts: a step writes three per request, unread, and packing the table costs more.
+local function fixstr(s) return string.char(0xa0 + #s) .. s end
+local PRIVATE_HEAD, PRIVATE_PAGES, PRIVATE_OWNER = string.char(0x89) .. fixstr("k"), fixstr("pages"),
+  fixstr("owner")
+local PRIVATE_TAIL = fixstr("g") .. "\0" .. fixstr("st") .. fixstr("private") .. fixstr("lu") .. "\0"
+  .. fixstr("lc") .. "\0" .. fixstr("depth") .. "\0" .. fixstr("kids") .. "\0"
+
+local function private_record(kind, ids, owner)
+  return PRIVATE_HEAD .. fixstr(kind) .. PRIVATE_PAGES .. cmsgpack.pack(ids) .. PRIVATE_OWNER
+         .. cmsgpack.pack(owner) .. PRIVATE_TAIL
+end
+
+-- Page ids a step popped off the free list at once (`reserve`), handed out in order by alloc_set
+-- before it pops any more: the same ids, in the same order, as one LPOP per page set.
+local RESERVED, NEXT_RESERVED = {}, 1
+
+local function reserve(n)
+  if n > 0 then RESERVED, NEXT_RESERVED = redis.call("LPOP", K_FREE, n) or {}, 1 end
+end
+
+-- Ids reserved but not handed out go back to the head of the free list, in their order.
+local function unreserve()
+  local left = {}
+  for i = #RESERVED, NEXT_RESERVED, -1 do left[#left + 1] = RESERVED[i] end
+  if #left > 0 then redis.call("LPUSH", K_FREE, unpack(left)) end
+  RESERVED, NEXT_RESERVED = {}, 1
+end
+
 local function alloc_set(m, kind, n, owner)
   local ids = {}
-  for _, id in ipairs(redis.call("LPOP", K_FREE, n) or {}) do ids[#ids + 1] = tonumber(id) end
+  while #ids < n and NEXT_RESERVED <= #RESERVED do
+    ids[#ids + 1] = tonumber(RESERVED[NEXT_RESERVED])
+    NEXT_RESERVED = NEXT_RESERVED + 1
+  end
+  if #ids < n then
+    for _, id in ipairs(redis.call("LPOP", K_FREE, n - #ids) or {}) do ids[#ids + 1] = tonumber(id) end
+  end
   while #ids < n do
     ids[#ids + 1] = m.fresh
     m.fresh = m.fresh + 1
   end
-  put_rec(ids[1], {k = kind, g = 0, pages = ids, st = "private", ref = 1, owner = owner,
-                   lu = 0, lc = 0, depth = 0, kids = 0})
+  cache_put_encoded(RECS, ids[1], {k = kind, g = 0, pages = ids, st = "private", owner = owner,
+                                   lu = 0, lc = 0, depth = 0, kids = 0},
+                    private_record(kind, ids, owner))
   return ids[1], ids
 end
 
+-- Only MLA leads have a ready fill and a path, only registered checkpoints a `ckr` entry.
 local function free_set(m, rec)
   local lead = rec.pages[1]
-  RECS[lead], DIRTY[lead] = false, nil
-  redis.call("HDEL", K_PAGES, lead)
-  redis.call("HDEL", K_RF, lead)
-  redis.call("HDEL", K_PATH, lead)
+  cache_drop(RECS, lead)
+  if rec.st ~= "private" then cache_drop(REFS, lead) end
+  if rec.k == "M" then
+    redis.call("HDEL", K_RF, lead)
+    redis.call("HDEL", K_PATH, lead)
+  elseif rec.h then
+    redis.call("HDEL", K_CKR, rec.h)
+  end
   redis.call("RPUSH", K_FREE, unpack(rec.pages))
   m.lru_pages = m.lru_pages - #rec.pages * redis.call("ZREM", K_LRU, rec.pages[1])
 end
@@ -362,7 +489,7 @@ end
 local function drop_checkpoint(m, h, removed)
   local lead = tonumber(redis.call("HGET", K_CK, h))
   local rec = get_rec(lead)
-  if rec.ref > 0 then error("CT_CORRUPT pinned checkpoint dropped at page " .. lead) end
+  if get_ref(lead) > 0 then error("CT_CORRUPT pinned checkpoint dropped at page " .. lead) end
   redis.call("HDEL", K_CK, h)
   m.durable_cks = m.durable_cks - rec.dur
   local anchor = get_rec(rec.anchor)
@@ -413,16 +540,18 @@ local function save_meta(m)
              "lru_pages", m.lru_pages, "clock", m.clock, "durable_cks", m.durable_cks, "wc", m.wc)
 end
 
-local function pin(m, id)
-  local rec = get_rec(id)
-  rec.ref = rec.ref + 1
-  save_lead(m, id, rec)
+-- A pinned lead is never evictable: the first pin takes it out of the eviction order (`pages`
+-- of its kind's group count), and nothing of its record changes, so none is read.
+local function pin(m, id, pages)
+  local n = get_ref(id)
+  set_ref(id, n + 1)
+  if n == 0 then m.lru_pages = m.lru_pages - pages * redis.call("ZREM", K_LRU, id) end
 end
 
 local function unpin(m, id)
-  local rec = get_rec(id)
-  if rec == nil or rec.ref < 1 then error("CT_CORRUPT unpin of unpinned page " .. id) end
-  rec.ref = rec.ref - 1
+  local rec, n = get_rec(id), get_ref(id)
+  if rec == nil or n < 1 then error("CT_CORRUPT unpin of unpinned page " .. id) end
+  set_ref(id, n - 1)
   stamp(m, rec)
   save_lead(m, id, rec)
 end
@@ -471,7 +600,7 @@ end
 
 -- Every reply carries the pool's write count (`wc`): callers keep the highest as their view.
 local function reply(result)
-  flush_recs()
+  flush_cached()
   result.wc = META_WC
   return cmsgpack.pack(result)
 end

@@ -26,17 +26,16 @@ if ARGV[5] ~= nil and ARGV[5] ~= "" then
   if deadline == nil then fail("BADINPUT", "the lease deadline must be a number or empty") end
   check_lease(rid, deadline)
 end
-local _, hit, ck, e = match_prefix(m, tokens, blob)
+local _, hit, ck, e, ready = match_prefix(m, tokens, blob)
 if hit == 0 then return reply({epoch = m.epoch, hit = 0, mla = "", ckpt = {}}) end
 
-local anchor = get_rec(e[1])
-local mla = (redis.call("HGET", K_PATH, e[1]) or "") .. pack_ids(anchor.pages)
+local mla = (redis.call("HGET", K_PATH, e[1]) or "") .. pack_ids(mla_pages(m, e[1]))
 m.tick = m.tick + 1
-pin(m, e[1])
+pin(m, e[1], m.mla_groups)
 local ckpt, pend = {}, {}
 if ck >= 0 then
-  pin(m, ck)
-  ckpt = get_rec(ck).pages
+  pin(m, ck, m.kda_groups)
+  ckpt = ready_pages(ready)
   pend[1] = {t = 0, unpin = ck, fills = {}, ck = -1, ckh = ""}
 end
 local pos = hit * m.block_tokens

@@ -24,13 +24,17 @@
 -- ARGV[n]  - the new ticket's nonce (lib.lua `check_nonce`)
 -- returns msgpack {ok = 1, ticket, nonce, epoch, requests = {{rid, hit, match, start, stop, shared,
 --           own, state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
---           at lookup, in tokens) where `shared` is the packed page table
---           of the slots served from the cache and `own` the request's page sets after them; or
+--           at lookup, in tokens) where `shared` is the page table of the slots served from the
+--           cache and `own` the request's page sets after them (both uint32 ids, slot-major),
+--           `state` and `ckpt` page sets (uint32 ids) and `copies` the restore and copy-on-write
+--           copies (each src, dst as uint32, offset, nbytes as uint64: COPY_FORMAT), all packed
+--           little-endian so that neither side builds a table per id; or
 --           {ok = 0, reason, need, available}
 --
 -- Order matters (DESIGN.md invariant 1): every hit of the step is pinned before the first
 -- eviction or allocation, so allocating for one request can never evict what another just hit.
 
+local COPY_FORMAT = "<I4I4I8I8"  -- index/store.py COPY_DTYPE
 local epoch_arg, batch_blob = ARGV[1], ARGV[2]
 local m = load_meta(epoch_arg)
 local nonce = check_nonce(ARGV[#ARGV])
@@ -79,20 +83,20 @@ local function hit_pages(p, e)
   p.anchor = e[1]
   p.shared = redis.call("HGET", K_PATH, e[1]) or ""
   if e[2] == PB then
-    p.shared = p.shared .. pack_ids(get_rec(e[1]).pages)
+    p.shared = p.shared .. pack_ids(mla_pages(m, e[1]))
   else
     p.cow = e[2]
   end
 end
 
 -- Phase A (read-only): validate, look up, and size every request.
-local plans, seen, pinned_in_lru, need = {}, {}, {}, 0
+local plans, seen, need = {}, {}, 0
 for n, item in ipairs(batch) do
   local r, blob = check_request(item, seen)
   local p = {item = item, r = r, blob = blob, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
   if r == nil then
     local depth, e
-    depth, p.hit, p.ckpt, e = match_prefix(m, item.tokens, blob)
+    depth, p.hit, p.ckpt, e, p.ready = match_prefix(m, item.tokens, blob)
     p.match = depth * B
     if p.hit > 0 then hit_pages(p, e) end
     -- A hit at the deepest boundary a hit can reach restores the checkpoint the prompt keeps
@@ -100,11 +104,6 @@ for n, item in ipairs(batch) do
     local deepest_hit = math.floor((item.tokens - 1) / B)
     if p.ckpt >= 0 and p.hit == deepest_hit then p.turn_end = item.turn_end end
     p.start, p.tokens, p.slots_have = p.hit * B, item.tokens, #p.shared / (4 * m.mla_groups)
-    -- In `lru` exactly when evictable (save_lead keeps it so); phase B reads both records anyway.
-    if p.anchor >= 0 and evictable(get_rec(p.anchor)) then
-      pinned_in_lru[p.anchor] = m.mla_groups
-    end
-    if p.ckpt >= 0 and evictable(get_rec(p.ckpt)) then pinned_in_lru[p.ckpt] = m.kda_groups end
     need = need + m.kda_groups
   else
     p.start, p.tokens, p.slots_have, p.match = r.pos, r.tokens, r.shared + #r.own, r.mt
@@ -126,35 +125,70 @@ for n, item in ipairs(batch) do
   plans[n] = p
 end
 
--- A lower bound on what eviction can free: every member frees at least its own page set.
-local pinned_pages = 0
-for _, n in pairs(pinned_in_lru) do pinned_pages = pinned_pages + n end
-local available = free_count(m) + m.lru_pages - pinned_pages
-if available < need then
-  return reply({ok = 0, reason = "pool exhausted: the step needs " .. need .. " pages, " .. available ..
-                " are free or evictable", need = need, available = available})
+-- With too few free pages, a lower bound on what eviction can free: every member frees at least
+-- its own page set, but not the members this step pins (in `lru` exactly when evictable, as
+-- save_lead keeps it: no record is read). With enough, nothing is evicted and the pins do not
+-- matter.
+local function evictable_after_pins()
+  local pinned = {}
+  for _, p in ipairs(plans) do
+    if p.anchor >= 0 and redis.call("ZSCORE", K_LRU, p.anchor) then pinned[p.anchor] = m.mla_groups end
+    if p.ckpt >= 0 and redis.call("ZSCORE", K_LRU, p.ckpt) then pinned[p.ckpt] = m.kda_groups end
+  end
+  local pages = m.lru_pages
+  for _, n in pairs(pinned) do pages = pages - n end
+  return pages
+end
+
+local free = free_count(m)
+if free < need then
+  local available = free + evictable_after_pins()
+  if available < need then
+    return reply({ok = 0, reason = "pool exhausted: the step needs " .. need .. " pages, " .. available ..
+                  " are free or evictable", need = need, available = available})
+  end
 end
 
 -- Phase B: pin every hit, then evict, then allocate.
 m.tick = m.tick + 1
 for _, p in ipairs(plans) do
-  if p.anchor >= 0 then pin(m, p.anchor) end
-  if p.ckpt >= 0 then pin(m, p.ckpt) end
+  if p.anchor >= 0 then pin(m, p.anchor, m.mla_groups) end
+  if p.ckpt >= 0 then pin(m, p.ckpt, m.kda_groups) end
 end
 for _, p in ipairs(plans) do
-  if p.turn_end then
+  -- The class at lookup says whether to read the record; the record says what it is now (a
+  -- request before this one may have promoted it already).
+  local cls = p.turn_end and ready_class(p.ready)
+  if cls == "intermediate" or cls == "superseded" then
     local rec = get_rec(p.ckpt)
     if rec.cls == "intermediate" or rec.cls == "superseded" then reclass(m, p.ckpt, rec, p.turn_end) end
   end
 end
 local removed = {}
-while free_count(m) < need do
+while free < need do
   if not evict_one(m, removed) then error("CT_CORRUPT eviction ran dry after the capacity check") end
+  free = free_count(m)
 end
+reserve(need)  -- every page set this step allocates, in one LPOP
 
 -- A new request's record; it keeps the hashes from one block before its first own page's parent
 -- on, all that commit will ever read (that parent's page end, and the block before the hit: the
 -- resend point of the turn end it restores, which settle_restored re-classes with it).
+local reqh_pairs, req_pairs = {}, {}  -- written once each, after the loop
+-- The page sets allocated in this step, lead -> ids: the reply names them without reading their
+-- records back (which would lose their ready-made encoding, lib.lua private_record).
+local fresh_sets = {}
+
+local function new_set(kind, groups, rid)
+  local lead, ids = alloc_set(m, kind, groups, rid)
+  fresh_sets[lead] = ids
+  return lead, ids
+end
+
+local function set_pages(lead)
+  return fresh_sets[lead] or get_rec(lead).pages
+end
+
 local function start_request(p, rid, copies)
   local shared = p.slots_have
   local hoff = math.max(shared * PB - 2, 0)
@@ -162,21 +196,16 @@ local function start_request(p, rid, copies)
              own = {}, shared = shared, state = -1, ck = -1, reg = p.hit, pck = p.hit, inter = "",
              pend = {}, hoff = hoff, tix = {}}
   if m.kda_groups > 0 then
-    local lead, ids = alloc_set(m, "K", m.kda_groups, rid)
+    local lead, ids = new_set("K", m.kda_groups, rid)
     r.state = lead
     if p.ckpt >= 0 then
-      local src = get_rec(p.ckpt).pages
-      for g = 1, m.kda_groups do copies[#copies + 1] = {src[g], ids[g], 0, m.kda_state_bytes} end
+      local src = ready_pages(p.ready)
+      for g = 1, m.kda_groups do copies[#copies + 1] = struct.pack(COPY_FORMAT, src[g], ids[g], 0, m.kda_state_bytes) end
       r.pend[#r.pend + 1] = {t = m.ticket + 1, unpin = p.ckpt, fills = {}, ck = -1, ckh = ""}
     end
   end
-  redis.call("HSET", K_REQH, rid, string.sub(p.blob, hoff * HL + 1))
+  reqh_pairs[#reqh_pairs + 1], reqh_pairs[#reqh_pairs + 2] = rid, string.sub(p.blob, hoff * HL + 1)
   return r
-end
-
-local function page_set(lead)
-  if m.mla_groups == 1 then return {lead} end
-  return get_rec(lead).pages
 end
 
 local rids, out = {}, {}
@@ -185,30 +214,35 @@ for n, p in ipairs(plans) do
   local copies = {}
   local r = p.r or start_request(p, rid, copies)
   for s = 1, p.new_slots do
-    local lead, ids = alloc_set(m, "M", m.mla_groups, rid)
+    local lead, ids = new_set("M", m.mla_groups, rid)
     r.own[#r.own + 1] = lead
     if s == 1 and p.cow > 0 then
-      local src = get_rec(p.anchor).pages
+      local src = mla_pages(m, p.anchor)
       for g = 1, m.mla_groups do
-        copies[#copies + 1] = {src[g], ids[g], 0, p.cow * B * m.mla_token_bytes}
+        copies[#copies + 1] = struct.pack(COPY_FORMAT, src[g], ids[g], 0, p.cow * B * m.mla_token_bytes)
       end
     end
   end
   r.ck = -1
-  if p.want_ckpt then r.ck = alloc_set(m, "K", m.kda_groups, rid) end
+  if p.want_ckpt then r.ck = new_set("K", m.kda_groups, rid) end
   r.stop = p.stop
   r.tix[#r.tix + 1] = m.ticket + 1
-  put_req(rid, r)
+  req_pairs[#req_pairs + 1], req_pairs[#req_pairs + 2] = rid, cmsgpack.pack(r)
   lease(rid, p.item.lease)
   rids[n] = rid
-  local own, state, ckpt = {}, {}, {}
-  for i, lead in ipairs(r.own) do own[i] = page_set(lead) end
-  if r.state >= 0 then state = get_rec(r.state).pages end
-  if r.ck >= 0 then ckpt = get_rec(r.ck).pages end
-  out[n] = {rid = rid, hit = r.hit, match = r.mt, start = p.start, stop = p.stop, shared = r.spath, own = own,
-            state = state, ckpt = ckpt, ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0,
-            copies = copies}
+  local own, state, ckpt = {}, "", ""
+  for i, lead in ipairs(r.own) do
+    own[i] = m.mla_groups == 1 and struct.pack("<I4", lead) or pack_ids(set_pages(lead))
+  end
+  if r.state >= 0 then state = pack_ids(set_pages(r.state)) end
+  if r.ck >= 0 then ckpt = pack_ids(set_pages(r.ck)) end
+  out[n] = {rid = rid, hit = r.hit, match = r.mt, start = p.start, stop = p.stop, shared = r.spath,
+            own = table.concat(own), state = state, ckpt = ckpt,
+            ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0, copies = table.concat(copies)}
 end
+unreserve()
+hset_pairs(K_REQ, req_pairs)
+hset_pairs(K_REQH, reqh_pairs)
 local ticket = new_ticket(m, rids, nonce)
 save_meta(m)
 return reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out,

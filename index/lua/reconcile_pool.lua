@@ -47,8 +47,7 @@ local epoch = math.max(fresh_epoch, m.epoch + 1)
 m.wc = math.max(m.wc, seen_wc) + 1
 META_WC = m.wc
 local ticket = math.max(m.ticket, seen_ticket)
-redis.call("UNLINK", K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH,
-           K_LEASE)
+redis.call("UNLINK", unpack(EPOCH_KEYS))
 redis.call("HSET", K_META, "epoch", epoch, "fresh", 0, "lru_pages", 0, "durable_cks", 0,
            "wc", m.wc, "ticket", ticket, "holder", holder)
 return reply({epoch = epoch, wc = m.wc, ticket = ticket, restarted = 1, why = why})

@@ -81,7 +81,7 @@ local function release_page(lead)
     return
   end
   rec.owner = ""
-  rec.ref = rec.ref - 1
+  set_ref(lead, get_ref(lead) - 1)
   stamp(m, rec)  -- handed to the cache now: its last use, not never
   save_lead(m, lead, rec)
 end
