@@ -1,11 +1,14 @@
-"""How one script call reaches Redis: by SHA, its source on NOSCRIPT, and acknowledged by a replica
-when the caller will act on what it wrote.
+"""How one script call reaches Redis: a library function by name (FCALL), the library loaded
+when the server has none, or a lone script by SHA and its source on NOSCRIPT; acknowledged by a
+replica when the caller will act on what it wrote.
 
-**NOSCRIPT.** The script cache is not replicated: a promoted replica, a restarted server or a
-SCRIPT FLUSH answers NOSCRIPT. redis-py's `AsyncScript` then sends SCRIPT LOAD, which a cluster
-client sends to every primary, and which fails while any shard is down. Here the call is sent
-again as EVAL of the source, routed by the script's keys to the master of its own slot: that
-caches the script there and runs it, whatever the other shards are doing.
+**A missing library.** Functions are kept in RDB and AOF and replicated, unlike the script cache,
+but a server restarted empty or flushed answers "Function not found". redis-py's FUNCTION LOAD
+goes to every primary on a cluster, and fails while any shard is down; here the library is loaded
+on the master of the function's own slot (FUNCTION LOAD REPLACE, then the call, on one
+connection), whatever the other shards are doing. **NOSCRIPT** (a lone script, `run_script`): the
+script cache is not replicated; the call is sent again as EVAL of the source, routed the same
+way.
 
 **Acknowledged writes.** Replication is asynchronous: a master that fails over to a replica
 which had not received a write loses it, and a caller that acted on it (copied into the pages
@@ -28,7 +31,7 @@ from typing import Any, Sequence
 from redis.asyncio import Redis
 from redis.asyncio.cluster import PipelineCommand
 from redis.exceptions import (AskError, ClusterDownError, ClusterError, MovedError, NoScriptError,
-                              RedisError)
+                              RedisError, ResponseError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -49,6 +52,21 @@ class LoadedScript:
 
 
 @dataclass(frozen=True)
+class LoadedLibrary:
+    """A Redis Functions library's source (its first line names it) and its functions: script
+    name -> function name; `read_only` ones are sent as FCALL_RO."""
+
+    source: str
+    functions: dict[str, str]
+    read_only: frozenset[str]
+
+
+def function_missing(reply: Any) -> bool:
+    """The server has no such function: its library is not loaded there."""
+    return isinstance(reply, ResponseError) and "Function not found" in str(reply)
+
+
+@dataclass(frozen=True)
 class ReplicaAcks:
     """Writes wait for `replicas` replicas, at most `timeout_ms` (WAIT's arguments)."""
 
@@ -60,34 +78,44 @@ class ReplicaAcks:
             raise ValueError("replica acks need replicas >= 1 and timeout_ms >= 1")
 
 
-async def run_script(redis: RedisClient, script: LoadedScript, keys: Sequence[str],
-                     args: Sequence[Any], acks: ReplicaAcks | None = None) -> Any:
-    """The script's reply; with `acks`, once that many replicas hold what it wrote."""
+async def call_function(redis: RedisClient, library: LoadedLibrary, name: str,
+                        keys: Sequence[str], args: Sequence[Any],
+                        acks: ReplicaAcks | None = None) -> Any:
+    """The reply of the library's function `name`; with `acks`, once that many replicas hold
+    what it wrote. A server without the library gets it first (above)."""
+    op = "FCALL_RO" if name in library.read_only else "FCALL"
+    call = (op, library.functions[name], len(keys), *keys, *args)
+    load = ("FUNCTION", "LOAD", "REPLACE", library.source)
     if acks is None:
         try:
-            return await redis.evalsha(script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await redis.eval(script.source, len(keys), *keys, *args)
-    reply = await _acked(redis, script.sha, script, keys, args, acks)
-    if isinstance(reply, NoScriptError):
-        reply = await _acked(redis, script.source, script, keys, args, acks)
+            return await redis.execute_command(*call)
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
+        replies = await _on_slot(redis, keys[0], [load, call])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[-1]
+    wait = ("WAIT", acks.replicas, acks.timeout_ms)
+    reply, acked = await _on_slot(redis, keys[0], [call, wait])
+    if function_missing(reply):
+        loaded, reply, acked = await _on_slot(redis, keys[0], [load, call, wait])
+        if isinstance(loaded, Exception):
+            raise loaded
+    return _acknowledged(reply, acked, acks)
+
+
+async def _on_slot(redis: RedisClient, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The commands in one pipeline, on the master of `key`'s slot on a cluster."""
+    if isinstance(redis, BoundedCluster):
+        return await _on_slot_master(redis, key, commands)
+    return await _on_server(redis, commands)
+
+
+def _acknowledged(reply: Any, acked: Any, acks: ReplicaAcks) -> Any:
     if isinstance(reply, Exception):
         raise reply
-    return reply
-
-
-async def _acked(redis: RedisClient, body: str, script: LoadedScript, keys: Sequence[str],
-                 args: Sequence[Any], acks: ReplicaAcks) -> Any:
-    """EVALSHA (`body` is the SHA) or EVAL (the source) then WAIT, in one pipeline; returns the
-    reply, or the NoScriptError to send the source instead."""
-    command = ("EVALSHA" if body == script.sha else "EVAL", body, len(keys), *keys, *args)
-    wait = ("WAIT", acks.replicas, acks.timeout_ms)
-    if isinstance(redis, BoundedCluster):
-        reply, acked = await _on_slot_master(redis, keys[0], command, wait)
-    else:
-        reply, acked = await _on_server(redis, command, wait)
-    if isinstance(reply, Exception):
-        return reply
     if isinstance(acked, Exception):
         raise acked
     if int(acked) < acks.replicas:
@@ -96,38 +124,55 @@ async def _acked(redis: RedisClient, body: str, script: LoadedScript, keys: Sequ
     return reply
 
 
-async def _on_server(redis: Redis, command: tuple[Any, ...],
-                     wait: tuple[Any, ...]) -> list[Any]:
+async def run_script(redis: RedisClient, script: LoadedScript, keys: Sequence[str],
+                     args: Sequence[Any], acks: ReplicaAcks | None = None) -> Any:
+    """The script's reply; with `acks`, once that many replicas hold what it wrote."""
+    if acks is None:
+        try:
+            return await redis.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await redis.eval(script.source, len(keys), *keys, *args)
+    wait = ("WAIT", acks.replicas, acks.timeout_ms)
+    command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+    reply, acked = await _on_slot(redis, keys[0], [command, wait])
+    if isinstance(reply, NoScriptError):
+        command = ("EVAL", script.source, len(keys), *keys, *args)
+        reply, acked = await _on_slot(redis, keys[0], [command, wait])
+    return _acknowledged(reply, acked, acks)
+
+
+async def _on_server(redis: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.execute_command(*command)
-        pipe.execute_command(*wait)
+        for command in commands:
+            pipe.execute_command(*command)
         return list(await pipe.execute(raise_on_error=False))
 
 
-async def _on_slot_master(cluster: BoundedCluster, key: str, command: tuple[Any, ...],
-                          wait: tuple[Any, ...]) -> list[Any]:
-    """The pipeline on one connection to the master of `key`'s slot, following MOVED (the
-    script did not run there); a node that failed mid-call refreshes the slot map and raises
-    (the script may have run: the caller decides)."""
+async def _on_slot_master(cluster: BoundedCluster, key: str,
+                          commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The pipeline on one connection to the master of `key`'s slot, following MOVED (nothing
+    ran there); a node that failed mid-call refreshes the slot map and raises (the call may
+    have run: the caller decides)."""
     async with cluster.bounded():
         await cluster.initialize()
         for _ in range(_REDIRECTS):
             node = cluster.get_node_from_key(key, replica=False)
-            commands = [PipelineCommand(0, *command), PipelineCommand(1, *wait)]
+            sent = [PipelineCommand(n, *command) for n, command in enumerate(commands)]
             try:
                 with torn_down_is_lost():
-                    await node.execute_pipeline(commands)
+                    await node.execute_pipeline(sent)
             except (RedisConnectionError, RedisTimeoutError):
                 await _refresh(cluster)
                 raise
-            reply, acked = (c.result for c in commands)
-            if isinstance(reply, MovedError):
-                await cluster.nodes_manager.move_slot(reply)
+            replies = [c.result for c in sent]
+            if any(isinstance(reply, MovedError) for reply in replies):
+                await cluster.nodes_manager.move_slot(
+                    next(r for r in replies if isinstance(r, MovedError)))
                 continue
-            if isinstance(reply, (RedisConnectionError, RedisTimeoutError, ClusterDownError,
-                                  AskError)):
+            if any(isinstance(reply, (RedisConnectionError, RedisTimeoutError, ClusterDownError,
+                                      AskError)) for reply in replies):
                 await _refresh(cluster)
-            return [reply, acked]
+            return replies
     raise ClusterError(f"slot of {key!r} still moving after {_REDIRECTS} redirects")
 
 

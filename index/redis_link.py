@@ -133,6 +133,13 @@ class BoundedCluster(RedisCluster):
         finally:
             self._calls.release()
 
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        """FCALL's keys are read as EVALSHA's (name, count, keys): redis-py asks a node for them
+        (COMMAND GETKEYS), a round trip more per call, and none at all while that node is down."""
+        if command.upper() in ("FCALL", "FCALL_RO"):
+            command = "EVALSHA"
+        return await super()._determine_slot(command, *args)
+
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.bounded():
             with torn_down_is_lost():

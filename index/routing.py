@@ -1,14 +1,15 @@
 """A router's probes of many pools, one round trip per shard (the service's `route`).
 
-A probe is one read-only script on its pool's slot (`probe.lua`). Sent one by one, routing a
-prompt over P pools costs P round trips; here the probes of the pools that live on one shard go
-together, as one pipeline on one connection to one node of that shard, and the shards are asked
-concurrently: one round trip per shard (one in all on a single server). A node that has not
-cached the script yet (a promoted replica, a restarted server, any replica: the script cache is
-not replicated) answers NOSCRIPT, and those probes go once more as their source.
+A probe is one read-only function on its pool's slot (`probe.lua` in the library). Sent one by
+one, routing a prompt over P pools costs P round trips; here the probes of the pools that live on
+one shard go together, as one pipeline on one connection to one node of that shard, and the
+shards are asked concurrently: one round trip per shard (one in all on a single server). A
+master without the library (restarted empty) answers "Function not found", and those probes go
+once more after FUNCTION LOAD on the same connection; a replica without it (its master never
+had it) sends its shard's probes to the master.
 
 **From replicas** (`replicas=True`): each shard's probes go to one of its replicas, READONLY first
-on the same connection and EVALSHA_RO (refused should the script ever write), which takes the
+on the same connection and FCALL_RO (refused should the function ever write), which takes the
 routing load off the masters. A replica lags its master, so its answer is advisory as every
 probe is: nothing is served from it (a plan runs on the master and finds what is there), and
 lag never counts as the storage going back in time: a reply in an epoch older than the caller's
@@ -30,21 +31,22 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, PipelineCommand
-from redis.exceptions import (AskError, ClusterDownError, NoScriptError, RedisError, ResponseError,
+from redis.exceptions import (AskError, ClusterDownError, RedisError, ResponseError,
                               TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from index.errors import StorageRollback, UnknownPool, from_reply
-from index.execution import LoadedScript
+from index.execution import call_function, function_missing
 from index.identity import PoolView
 from index.prefix import PrefixProbe
 from index.redis_link import BoundedCluster, torn_down_is_lost
-from index.scripts import script_source
+from index.scripts import library
 from index.store import PrefixIndex
 
 Send = Callable[[list[tuple[Any, ...]]], Awaitable[list[Any]]]
-_PROBE = LoadedScript(script_source("probe"))
+_LIBRARY = library()
+_PROBE = _LIBRARY.functions["probe"]
 _replica_turn = itertools.count()  # spreads the shards' probes over their replicas
 _MAP_REREAD_S = 1.0  # how often a slot map naming no replica of a shard is read again
 _map_read: weakref.WeakKeyDictionary[BoundedCluster, float] = weakref.WeakKeyDictionary()
@@ -80,17 +82,26 @@ def _answer(index: PrefixIndex, view: PoolView, reply: Any, replica: bool) -> Pr
     raise typed
 
 
+class LibraryMissing(RedisError):
+    """A replica without the library: its master answers instead."""
+
+
 async def _probe(send: Send, indexes: Sequence[PrefixIndex], args: list[Any],
                  readonly: bool = False) -> list[Any]:
-    """One pipeline of the probes (READONLY first on a replica); the probes a node answered
-    NOSCRIPT go once more as the script's source."""
+    """One pipeline of the probes (READONLY first on a replica); a master without the library
+    loads it and answers the probes that missed it."""
     prefix: list[tuple[Any, ...]] = [("READONLY",)] if readonly else []
-    calls = [("EVALSHA_RO", _PROBE.sha, len(i.keys), *i.keys, *args) for i in indexes]
+    calls = [("FCALL_RO", _PROBE, len(i.keys), *i.keys, *args) for i in indexes]
     replies = (await send(prefix + calls))[len(prefix):]
-    missing = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    missing = [n for n, reply in enumerate(replies) if function_missing(reply)]
+    if missing and readonly:
+        raise LibraryMissing("the replica has no cachetier library")
     if missing:
-        again = await send(prefix + [("EVAL_RO", _PROBE.source, *calls[n][2:]) for n in missing])
-        for n, reply in zip(missing, again[len(prefix):]):
+        load = ("FUNCTION", "LOAD", "REPLACE", _LIBRARY.source)
+        loaded, *again = await send([load, *(calls[n] for n in missing)])
+        if isinstance(loaded, Exception):
+            raise loaded
+        for n, reply in zip(missing, again):
             replies[n] = reply
     return replies
 
@@ -185,8 +196,6 @@ def _redirected(reply: Any) -> bool:
 
 async def _alone(index: PrefixIndex, args: list[Any]) -> tuple[Any, bool]:
     try:
-        return await index.redis.evalsha(_PROBE.sha, len(index.keys), *index.keys, *args), False
-    except NoScriptError:
-        return await index.redis.eval(_PROBE.source, len(index.keys), *index.keys, *args), False
+        return await call_function(index.redis, _LIBRARY, "probe", index.keys, args), False
     except ResponseError as exc:
         return exc, False

@@ -60,6 +60,7 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
     client = Redis(connection_pool=pool)
     await client.flushall()
     await client.script_flush()
+    await client.function_flush()
     try:
         yield client
     finally:

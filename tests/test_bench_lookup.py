@@ -11,7 +11,7 @@ from tests.redis_harness import all_keys
 
 CASE_KEYS = {"tokens", "batch", "p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms",
              "round_trips_per_step", "hit_tokens", "server_us_per_request", "noop_p50_us",
-             "noop_ratio_p50", "noop_server_us_per_request"}
+             "noop_ratio_p50", "noop_server_us_per_request", "server_us_per_request_p10"}
 POSITIVE = ("p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms", "server_us_per_request",
             "noop_p50_us", "noop_ratio_p50")
 
@@ -47,6 +47,7 @@ def test_quick_run_hits_every_case_in_one_round_trip(capsys: pytest.CaptureFixtu
         assert case["noop_ratio_p50"] == pytest.approx(case["noop_p50_us"] / case["rtt_p50_us"],
                                                        rel=1e-2)
         assert 0 <= case["noop_server_us_per_request"] < case["server_us_per_request"]
+        assert 0 < case["server_us_per_request_p10"] <= case["server_us_per_request"]
     assert "bench lookup: 16384 tokens x 4" in err       # progress goes to stderr, not stdout
     assert all_keys(redis_url) == before                  # a shared server is left as found
 

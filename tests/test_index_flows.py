@@ -153,11 +153,12 @@ async def test_release_leaves_no_ticket_behind(redis):
     assert (await read_pool(redis, d.index.keys)).tix == {}
 
 
-async def test_scripts_reload_after_a_script_flush(redis):
-    """Redis restarted or flushed its script cache: the next call reloads by source (NOSCRIPT)."""
+async def test_the_library_reloads_after_a_function_flush(redis):
+    """Redis restarted empty or flushed its functions: the next call loads the library
+    ("Function not found") and runs."""
     d = await make(redis, small_config())
     await serve(d, "a", list(range(20)), chunk=20)
-    await redis.script_flush()
+    await redis.function_flush()
     probe = list(range(21))
     assert only(await d.plan([new_request("b", probe, 1, 4)], {"b": probe})).hit_tokens == 20
 

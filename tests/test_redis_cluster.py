@@ -150,9 +150,9 @@ async def test_one_service_spreads_pools_evenly_and_serves_them_on_every_shard(r
         await assert_clean(redis_cluster, pool)
 
 
-async def test_scripts_reload_on_their_own_slot_while_another_shard_is_down():
-    """A master that lost its script cache (a promoted replica) gets the source by EVAL on the
-    pool's slot; redis-py's reload (SCRIPT LOAD on every primary) fails while a shard is down."""
+async def test_the_library_reloads_on_its_own_slot_while_another_shard_is_down():
+    """A master without the library (restarted empty, flushed) gets it by FUNCTION LOAD on the
+    pool's slot; redis-py's FUNCTION LOAD (on every primary) fails while a shard is down."""
     with LocalRedisCluster(ClusterShape(3, 1), node_timeout_ms=5000) as cluster:
         ports = masters(cluster)
         pool = pools_by_crc(cluster, ports[0], 1)[0]  # PrefixIndex alone: the `{pool}` tag
@@ -163,7 +163,7 @@ async def test_scripts_reload_on_their_own_slot_while_another_shard_is_down():
                 await index.create()
                 os.kill(cluster.node(ports[1]).pid, signal.SIGKILL)  # once; idempotent after
                 with cluster.node(ports[0]).client() as master:
-                    master.script_flush()
+                    master.function_flush()
                 assert (await index.stats()).epoch == await index.create() == 1
         finally:
             await close(redis)
@@ -237,12 +237,12 @@ async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_po
 
 async def test_route_on_one_server_is_one_round_trip_for_every_pool(redis, monkeypatch):
     """One server is one shard: the probes of every pool go in one pipeline, answers as the
-    pools' own probes (and a node without the script cached gets its source in a second)."""
+    pools' own probes (and a node without the library loads it and asks again in a second)."""
     indexes = [PrefixIndex(redis, f"one{n}", TINY) for n in range(3)]
     await hold_growing_prefixes(indexes)
     hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
     own = [await index.probe(200, hashes) for index in indexes]
-    await redis.script_flush()
+    await redis.function_flush()
     sent: list[str] = []
     for cls, name in ((Pipeline, "execute"), (Redis, "execute_command")):
         real = getattr(cls, name)

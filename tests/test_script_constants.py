@@ -16,7 +16,7 @@ from eviction.policy import (CLASSES, COMMIT_KINDS, TIER, EvictionWeights, PerCl
                              pool_field, weight_names)
 from index.errors import BadRequest
 from index.records import CommitItem
-from index.scripts import SCRIPT_NAMES, ScriptConstants, Scripts, script_source
+from index.scripts import SCRIPT_NAMES, ScriptConstants, Scripts, library
 from index.snapshot import read_pool, sanity_check
 from index.store import PrefixIndex, pool_fields
 from tests.index_harness import new_request, only, small_config
@@ -101,12 +101,14 @@ def test_per_class_weights_have_one_field_per_class_in_order() -> None:
 
 async def test_the_scripts_see_the_python_definitions(redis: Redis) -> None:
     """The preamble, evaluated by Redis, holds CLASSES, COMMIT_KINDS and the meta fields
-    `as_pool_fields` writes; every script starts with it."""
+    `as_pool_fields` writes; the library of every script starts with it."""
     preamble = ScriptConstants().preamble()
-    assert all(script_source(name).startswith(preamble + "\n") for name in SCRIPT_NAMES)
+    assert library().source.split("\n", 1)[1].startswith(preamble + "\n")
     seen = json.loads(await redis.eval(preamble + """
         local fields = {}
         for f in pairs(WEIGHT_FIELDS) do fields[#fields + 1] = f end
+        assert(#WEIGHT_LIST == #fields)
+        for _, f in ipairs(WEIGHT_LIST) do assert(WEIGHT_FIELDS[f]) end
         local kinds = {}
         for k in pairs(IS_COMMIT_KIND) do kinds[#kinds + 1] = k end
         return cjson.encode({classes = CLASSES, index = CLASS_INDEX, kinds = COMMIT_KINDS,
@@ -154,7 +156,10 @@ async def test_a_class_added_in_python_reaches_every_script(redis: Redis) -> Non
     commit takes it, the anchor counts it in a slot after the others, and its weights score both
     the checkpoint and its anchor."""
     more = ScriptConstants(classes=(*CLASSES, "archived"), commit_kinds=(*COMMIT_KINDS, "archived"))
-    assert all(script_source(n, more) != script_source(n) for n in SCRIPT_NAMES)
+    # another library, none of whose functions is named as this one's
+    assert library(more).source != library().source
+    assert library(more).functions.keys() == library().functions.keys() == set(SCRIPT_NAMES)
+    assert not set(library(more).functions.values()) & set(library().functions.values())
     with pytest.raises(BadRequest, match="missing pool field w_(bonus|value)_archived"):
         await index_with(redis, more, {})
     index = await index_with(redis, more, {"w_bonus_archived": 3 * TIER, "w_value_archived": 0.5})

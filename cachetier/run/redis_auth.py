@@ -31,12 +31,13 @@ from cachetier.run.credential_files import write_private
 KEYS = "ct:*"
 # sent by the service (index.execution, placement, store, routing, holder, service.recovery,
 # health) and by redis-py's cluster client as it learns the topology
-SERVICE_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "wait", "hget", "hgetall", "ping",
+SERVICE_COMMANDS = ("fcall", "fcall_ro", "function|load", "evalsha", "eval", "evalsha_ro",
+                    "eval_ro", "wait", "hget", "hgetall", "ping",
                     "info", "command", "cluster|slots", "cluster|shards", "cluster|nodes",
                     "cluster|myid", "asking", "readonly")
 # called by index/lua/*.lua
 SCRIPT_COMMANDS = ("exists", "hdel", "hexists", "hincrby", "hlen", "hmget", "hset", "hsetnx",
-                   "llen", "lpop", "rpush", "unlink", "zadd", "zrange", "zrangebyscore", "zrem",
+                   "llen", "lpop", "lpush", "rpush", "unlink", "zadd", "zrange", "zrangebyscore", "zrem",
                    "zscore")
 REPLICA_COMMANDS = ("psync", "replconf", "ping")
 

@@ -1,5 +1,8 @@
--- lib.lua - helpers shared by every cachetier script; the loader prepends this file to each one,
--- after a preamble of constants it generates from eviction/policy.py (see CLASSES below).
+-- lib.lua - helpers shared by every cachetier script. The loader (index/scripts.py) makes one
+-- Redis Functions library of a preamble of constants it generates from eviction/policy.py (see
+-- CLASSES below), this file, match.lua and every script's body as a registered function, so the
+-- helpers are defined once when the library loads, not again by every call. Every function
+-- starts with `begin_call(KEYS)`: the state below that lives for one call is set there.
 --
 -- Every script receives the same KEYS, in this order (all carry the pool's hash tag):
 --   KEYS[1] meta   HASH  pool geometry, epoch, counters, eviction weights
@@ -114,13 +117,11 @@
 --   layout           the record layout its keys hold (LAYOUT below; create_pool sets it)
 --   w_*              the eviction weights: WEIGHT_FIELDS (EvictionWeights.as_pool_fields)
 
+-- The call's keys, and every key of the pool but meta (what a new epoch UNLINKs: a fixed set,
+-- O(1) each); set by begin_call.
 local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
-      K_REFS, K_CKR =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10],
-  KEYS[11], KEYS[12], KEYS[13], KEYS[14]
--- Every key of the pool but meta: what a new epoch UNLINKs (a fixed set, O(1) each).
-local EPOCH_KEYS = {K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
-                    K_REFS, K_CKR}
+      K_REFS, K_CKR
+local EPOCH_KEYS
 -- The record layout: 2 keeps pins in `refs` and ready checkpoints in `ckr` (create_pool starts
 -- a pool stored with an older layout over in a new epoch).
 local LAYOUT = 2
@@ -163,8 +164,6 @@ end
 local META_FIELDS = {"num_pages", "blocks_per_page", "block_tokens", "hash_len", "kda_groups",
                      "mla_groups", "mla_token_bytes", "kda_state_bytes", "max_batch", "epoch",
                      "fresh", "tick", "ticket", "lru_pages", "clock", "durable_cks", "wc"}
-local WEIGHT_LIST = {}
-for field in pairs(WEIGHT_FIELDS) do WEIGHT_LIST[#WEIGHT_LIST + 1] = field end
 
 local function weights(m)
   if m.wb then return end
@@ -243,8 +242,7 @@ local function field_cache(key, decode, encode)
           encoded = {}}
 end
 
-local RECS = field_cache(K_PAGES, cmsgpack.unpack, cmsgpack.pack)  -- id -> record (false: none)
-local REFS = field_cache(K_REFS, tonumber, tostring)               -- id -> pins (false: none)
+local RECS, REFS  -- id -> record, id -> pins (false: none); new caches for every call
 
 local function cache_get(c, id)
   local v = c.vals[id]
@@ -418,11 +416,16 @@ end
 
 -- A new private lead record as msgpack, the map alloc_set makes, assembled from its constant
 -- parts: a step writes three per request, unread, and packing the table costs more.
+-- Its constant parts are made on the first call (a library's code may call nothing as it loads).
 local function fixstr(s) return string.char(0xa0 + #s) .. s end
-local PRIVATE_HEAD, PRIVATE_PAGES, PRIVATE_OWNER = string.char(0x89) .. fixstr("k"), fixstr("pages"),
-  fixstr("owner")
-local PRIVATE_TAIL = fixstr("g") .. "\0" .. fixstr("st") .. fixstr("private") .. fixstr("lu") .. "\0"
-  .. fixstr("lc") .. "\0" .. fixstr("depth") .. "\0" .. fixstr("kids") .. "\0"
+local PRIVATE_HEAD, PRIVATE_PAGES, PRIVATE_OWNER, PRIVATE_TAIL
+
+local function make_private_template()
+  PRIVATE_HEAD, PRIVATE_PAGES, PRIVATE_OWNER = string.char(0x89) .. fixstr("k"), fixstr("pages"),
+    fixstr("owner")
+  PRIVATE_TAIL = fixstr("g") .. "\0" .. fixstr("st") .. fixstr("private") .. fixstr("lu") .. "\0"
+    .. fixstr("lc") .. "\0" .. fixstr("depth") .. "\0" .. fixstr("kids") .. "\0"
+end
 
 local function private_record(kind, ids, owner)
   return PRIVATE_HEAD .. fixstr(kind) .. PRIVATE_PAGES .. cmsgpack.pack(ids) .. PRIVATE_OWNER
@@ -603,4 +606,18 @@ local function reply(result)
   flush_cached()
   result.wc = META_WC
   return cmsgpack.pack(result)
+end
+
+-- The start of every call: its keys, and fresh per-call state (the caches, the write count its
+-- reply carries, the step's reserved ids).
+local function begin_call(keys)
+  K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
+    K_REFS, K_CKR = unpack(keys, 1, 14)
+  EPOCH_KEYS = {K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
+                K_REFS, K_CKR}
+  RECS = field_cache(K_PAGES, cmsgpack.unpack, cmsgpack.pack)
+  REFS = field_cache(K_REFS, tonumber, tostring)
+  META_WC = 0
+  RESERVED, NEXT_RESERVED = {}, 1
+  if PRIVATE_HEAD == nil then make_private_template() end
 end
