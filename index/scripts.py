@@ -6,8 +6,9 @@ the library loads: an EVALSHA of the same code defined them again on every call,
 Lua closures and tables, more than a whole request costs in a batch. The preamble
 (`ScriptConstants`) declares the checkpoint classes and the eviction weights' meta fields as Lua
 constants generated from eviction.policy, their one definition: no .lua file restates them, and a
-class added there reaches every script. The library's name and its functions' carry a digest of
-its source, so two versions of cachetier sharing a server never call each other's functions.
+class added there reaches every script. The library's name and its functions' carry the SHA1 of
+its source, so a function is called by the SHA of its code, as EVALSHA calls a script, and two
+versions of cachetier sharing a server never call each other's functions.
 Functions are kept in RDB and AOF and replicated; a server without the library (restarted
 empty, FUNCTION FLUSH) answers "Function not found", and `index.execution` loads it on the
 function's own slot and calls again. The writes a caller acts on (`ACKED`) wait for a replica
@@ -123,11 +124,11 @@ def function_name(name: str, digest: str) -> str:
 
 @cache
 def library(constants: ScriptConstants = ScriptConstants()) -> LoadedLibrary:
-    """The library of every script, named by the digest of its source (without the name)."""
+    """The library of every script, named by the SHA1 of its source (without the name)."""
     lua_names = sorted(SCRIPT_NAMES)
     body = "\n".join([constants.preamble(), _lua("lib"), _lua("match"),
                       *(_registered(n, "@DIGEST@") for n in lua_names)])
-    digest = hashlib.sha1(body.encode()).hexdigest()[:16]
+    digest = hashlib.sha1(body.encode()).hexdigest()
     source = f"#!lua name=cachetier_{digest}\n" + body.replace("@DIGEST@", digest)
     return LoadedLibrary(source, {n: function_name(n, digest) for n in SCRIPT_NAMES},
                          frozenset(READ_ONLY))
