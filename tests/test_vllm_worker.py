@@ -4,7 +4,10 @@ lays them (no engine: the layouts are what `tests/test_vllm_connector.py` proves
 A save writes a request's prefix from vLLM blocks into the pool; the pool's own typed views must
 then read the same values (so the pool holds cachetier's layout, not vLLM's bytes verbatim); a
 load must restore them exactly into other blocks; a load pinned in an epoch the pool has left
-must copy nothing and report the blocks it would have filled, for vLLM to recompute.
+must copy nothing and report the blocks it would have filled, for vLLM to recompute. Attention
+K and V are written by vLLM's own CPU kernel (`cpu_attn_reshape_and_cache`), so the layout the
+copies read is vLLM's, not this test's idea of it: its K is dim-major within a block, which a
+token-row view only got right for whole blocks (a 128-token prompt tail came back wrong).
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ from typing import Any
 
 import pytest
 import torch
+from vllm import _custom_ops as vllm_ops
 
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
 from cachetier.run.cluster import POOL, Cluster
+from cachetier.vllm.geometry import config_for_model
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
+from cachetier.vllm.kv_copy import (AttentionViews, TokenRows, engine_attention_views,
+                                    rows_to_engine, rows_to_pool)
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
 from cachetier.vllm.worker_side import ConnectorWorker, state_blocks
@@ -74,15 +81,27 @@ def _state(caches: dict[str, torch.Tensor], layer: int, block: int,
             raw[conv_bytes:].view(torch.float32).view(4, 128, 128))
 
 
+def _write_kv(kv: torch.Tensor, slots: torch.Tensor,
+              noise: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V `[tokens, heads, dim]` for vLLM slots (`block * 1152 + row`), written into
+    the attention cache by vLLM's CPU kernel ("vec", this machine's), as a forward pass does."""
+    blocks, heads, block_tokens, _ = kv.shape
+    keys = torch.randn(len(slots), heads, 32, generator=noise).to(torch.bfloat16)
+    values = torch.randn(len(slots), heads, 32, generator=noise).to(torch.bfloat16)
+    key_cache, value_cache = kv.view(blocks, heads, 2 * block_tokens, 32).chunk(2, dim=2)
+    vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec")
+    return keys, values
+
+
 def _fill(caches: dict[str, torch.Tensor], state_blocks: list[int], kv_blocks: list[int],
-          config: Config) -> None:
+          config: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random states and every row of `kv_blocks`; returns K and V by token of those blocks."""
     noise = torch.Generator().manual_seed(3)
     for i, block in enumerate(state_blocks):
         for part in _state(caches, i, block, config):
             part.copy_(torch.randn(part.shape, generator=noise).to(part.dtype))
-    for block in kv_blocks:
-        kv = caches["layers.3.self_attn.attn"][block]
-        kv.copy_(torch.randn(kv.shape, generator=noise).to(torch.bfloat16))
+    slots = torch.cat([block * 1152 + torch.arange(1152) for block in kv_blocks])
+    return _write_kv(caches["layers.3.self_attn.attn"], slots, noise)
 
 
 def _pin(info: dict[str, Any], reader: str) -> Any:
@@ -105,7 +124,7 @@ def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: C
                                                                        model_dir: Path) -> None:
     worker, caches, info = _worker(cluster, model_dir)
     state_blocks, kv_blocks = [1, 2, 3], [4, 5, 6]
-    _fill(caches, state_blocks, kv_blocks, cluster.settings.config)
+    keys, values = _fill(caches, state_blocks, kv_blocks, cluster.settings.config)
     hashes = chain_hashes(PROMPT[:BOUNDARY], namespace_root(info["model_id"]), 1152)
     table = ([0, 1, 0], [0, 2, 0], [0, 3, 0], kv_blocks)
     worker.save(CacheTierMetadata(saves=[SaveJob("r1", BOUNDARY, len(PROMPT), hashes,
@@ -118,10 +137,10 @@ def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: C
         assert torch.equal(pool.conv_view(page)[0], conv.T)
         assert torch.equal(pool.kda_view(page)[0], recurrent.transpose(-1, -2))
     kv = caches["layers.3.self_attn.attn"]
-    token = 1500  # page 1, row 348; vLLM block kv_blocks[1], the same row
-    row = pool.mla_view(pinned.mla_pages[0][1])[0, token - 1152].view(2, 2, 32)  # [head, K/V, dim]
-    split = kv[kv_blocks[1]].view(2, 2, 1152, 32)  # [head, K/V, token, dim]
-    assert torch.equal(row, split[:, :, token - 1152])
+    for token in (0, 1500, 2303):  # the pool's token rows hold the K and V vLLM wrote
+        page = pinned.mla_pages[0][token // 1152]
+        row = pool.mla_view(page)[0, token % 1152].view(2, 2, 32)  # [head, K/V, dim]
+        assert torch.equal(row, torch.stack((keys[token], values[token]), dim=1)), token
 
     fresh_state, fresh_kv = [7, 8, 9], [10, 11, 12]
     job = LoadJob("r2", pinned.hit_tokens, 0, pinned.epoch, pinned.mla_pages,
@@ -133,10 +152,8 @@ def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: C
     for i in range(3):
         cache = caches[f"layers.{i}.linear_attn"]
         assert torch.equal(cache[fresh_state[i]], cache[state_blocks[i]])
-    old = kv[kv_blocks].view(3, 2, 2, 1152, 32).permute(0, 3, 1, 2, 4).reshape(-1, 2, 2, 32)
-    new = kv[fresh_kv].view(3, 2, 2, 1152, 32).permute(0, 3, 1, 2, 4).reshape(-1, 2, 2, 32)
-    assert torch.equal(new[:BOUNDARY], old[:BOUNDARY])
-    assert not new[BOUNDARY:].any(), "rows past the hit are vLLM's to compute"
+    assert torch.equal(kv[fresh_kv[:2]], kv[kv_blocks[:2]])  # whole blocks, byte for byte
+    assert not kv[fresh_kv[2]].any(), "rows past the hit are vLLM's to compute"
     worker.tier.close()
 
 
@@ -168,3 +185,33 @@ def test_a_hit_fills_its_own_block_and_every_block_the_pass_may_run_in() -> None
     # a first chunk from 2,304 to 5,438: null blocks up to the one it ends in
     assert state_blocks([0, 3, 0, 0, 8], 2304, 1152) == [3, 8]
     assert state_blocks([0, 0, 4, 0, 8], 2944, 1152) == [4, 8]
+
+
+def test_part_of_a_block_moves_exactly_the_rows_vllm_wrote(model_dir: Path) -> None:
+    """A prompt tail at 128 tokens fills part of a block: saving and restoring its rows must move
+    those tokens' K and V (every dim) and nothing else. The copies used to view vLLM's CPU K
+    as token rows, which it is not (it is dim-major): whole blocks still came back exact, but the
+    tail rows of a restored block were other bytes (0.03 nats off vLLM's own reuse)."""
+    kv = torch.zeros(4, 2, 1152, 64, dtype=torch.bfloat16)
+    noise = torch.Generator().manual_seed(5)
+    written = 2 * 1152 + torch.arange(300)  # block 2: a pass has written its first 300 rows
+    keys, values = _write_kv(kv, written, noise)
+    model = config_for_model(model_dir, num_pages=4).model
+    views = engine_attention_views(kv, 1152, model)
+    page = AttentionViews(torch.zeros(1, 1152, 2, 32, dtype=torch.bfloat16),
+                          torch.zeros(1, 1152, 2, 32, dtype=torch.bfloat16))
+    table = [0, 0, 2]
+    rows = TokenRows.of([(2304, 2432, table, [0, 0, 0])], 1152, 1152)
+    rows_to_pool(views, page, rows)
+    assert torch.equal(page.keys[0, :128], keys[:128])
+    assert torch.equal(page.values[0, :128], values[:128])
+    assert not page.keys[0, 128:].any() and not page.values[0, 128:].any()
+
+    restored = torch.zeros_like(kv)
+    rows_to_engine(page, engine_attention_views(restored, 1152, model),
+                   TokenRows.of([(2304, 2432, [0, 0, 3], [0, 0, 0])], 1152, 1152))
+    expected = torch.zeros_like(kv)
+    key_cache, value_cache = expected.view(4, 2, 2 * 1152, 32).chunk(2, dim=2)
+    vllm_ops.cpu_attn_reshape_and_cache(keys[:128], values[:128], key_cache, value_cache,
+                                        3 * 1152 + torch.arange(128), "vec")
+    assert torch.equal(restored, expected)  # vLLM's own bytes for those 128 tokens, no others

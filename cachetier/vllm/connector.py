@@ -7,8 +7,9 @@ vLLM builds it twice: in the scheduler (`ConnectorScheduler`: lookups, pins, sav
 each worker (`ConnectorWorker`: the copies and the saves' commits). Both refuse to start, with a
 message naming every difference, when the engine does not match the pool: another model (its
 fingerprint), another geometry (groups, heads, dims, dtypes, block size, hash unit), tensor
-parallelism (not served yet), or a mamba cache mode other than align (the saves need vLLM's
-boundary states).
+parallelism (not served yet), a mamba cache mode other than align (the saves need vLLM's
+boundary states), or, on CPU, an attention kernel whose block layout the copies do not read
+(`kv_copy.CPU_ATTENTION_ISAS`; AMX packs K and V in tiles).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole, SupportsHMA)
@@ -25,6 +27,7 @@ from cachetier.config import Config
 from cachetier.vllm.geometry import (GeometryMismatch, geometry_differences, model_fingerprint,
                                      model_spec_from_vllm)
 from cachetier.vllm.jobs import CacheTierMetadata, WorkerReport
+from cachetier.vllm.kv_copy import CPU_ATTENTION_ISAS
 from cachetier.vllm.scheduler_side import ConnectorScheduler
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
@@ -136,9 +139,27 @@ def _checked_config(settings: ConnectorSettings, vllm_config: Any, kv_cache_conf
         problems.append(f"mamba_cache_mode: engine {cache_config.mamba_cache_mode!r}, the "
                         "connector needs 'align'")
     engine_model = model_spec_from_vllm(kv_cache_config, tp)
+    isa = _cpu_attention_isa(vllm_config, engine_model)
+    if isa is not None and isa not in CPU_ATTENTION_ISAS:
+        problems.append(f"CPU attention kernel: engine {isa!r}, whose KV block layout the "
+                        f"connector does not read (it reads {', '.join(CPU_ATTENTION_ISAS)})")
     hash_unit = cache_config.prefix_match_unit or cache_config.block_size
     problems += geometry_differences(pool, engine_model, cache_config.block_size, hash_unit)
     if problems:
         raise GeometryMismatch(f"cachetier refuses this engine for pool {settings.pool}: "
                                + "; ".join(problems))
     return pool
+
+
+def _cpu_attention_isa(vllm_config: Any, engine_model: Any) -> str | None:
+    """The kernel family vLLM's CPU attention backend picks for this engine (it decides how a KV
+    block is laid out), or None off CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(getattr(torch, engine_model.mla_dtype),
+                         vllm_config.cache_config.block_size, engine_model.gqa_head_dim,
+                         vllm_config.cache_config.cache_dtype)

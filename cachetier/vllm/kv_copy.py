@@ -3,10 +3,17 @@
 Both sides are seen through typed, strided views of their own buffers (no copy to make a view):
 
 - vLLM's attention layer, as K and V `[blocks, block_tokens, kv_heads, head_dim]`. The CPU backend
-  stores a block head-major (`[heads, K rows then V rows, head_dim]`, the tensor vLLM hands the
-  connector is `[blocks, heads, block_tokens, 2 x head_dim]`); the CUDA flash-attention layout is
-  `[2, blocks, block_tokens, heads, head_dim]`. The pool's full-attention page is token-major,
-  each token row this rank's heads one after the other, K then V (`gpu_pool.layout`).
+  stores a block head-major, each head's K part then its V part (the tensor vLLM hands the
+  connector is `[blocks, heads, block_tokens, 2 x head_dim]`), and its "vec" kernels keep K
+  transposed, dim-major (`[head_dim, block_tokens]`: one dim of every token, then the next), V
+  token-major (`[block_tokens, head_dim]`), as `cpu_attn_reshape_and_cache` writes them. A view
+  that took K for token rows still moved whole blocks exactly (any consistent view does), but
+  the rows of part of a block (a prompt tail at 128 tokens) were other bytes: a tail restore
+  left K entries of the block unwritten, up to 0.03 nats off vLLM's own reuse on the first
+  token. AMX kernels pack both in tiles, which the connector refuses (`CPU_ATTENTION_ISAS`).
+  The CUDA flash-attention layout is `[2, blocks, block_tokens, heads, head_dim]`. The pool's
+  full-attention page is token-major, each token row this rank's heads one after the other, K
+  then V (`gpu_pool.layout`).
 - vLLM's GDN layer, one raw block per state: the conv part first (`[kernel - 1, channels]`, vLLM's
   default "SD" conv layout), then the recurrent part (`[heads, V, K]`), as its hybrid allocator
   packs them. The pool's state page has the same order, conv rows channel-major (`[channels,
@@ -41,11 +48,16 @@ class StateViews:
     recurrent: torch.Tensor  # [blocks or pages, heads, V, K]
 
 
+CPU_ATTENTION_ISAS = ("vec", "vec16")  # vLLM CPU kernels whose block layout the views below read
+
+
 def engine_attention_views(kv: torch.Tensor, block_tokens: int, model: ModelSpec) -> AttentionViews:
     heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
     if kv.dim() == 4 and kv.shape[1:] == (heads, block_tokens, 2 * dim):  # CPU: head-major
-        split = kv.view(kv.shape[0], heads, 2, block_tokens, dim).permute(0, 3, 1, 2, 4)
-        return AttentionViews(split[:, :, :, 0], split[:, :, :, 1])
+        parts = kv.view(kv.shape[0], heads, 2, block_tokens * dim)
+        keys = parts[:, :, 0].unflatten(-1, (dim, block_tokens)).permute(0, 3, 1, 2)
+        values = parts[:, :, 1].unflatten(-1, (block_tokens, dim)).permute(0, 2, 1, 3)
+        return AttentionViews(keys, values)
     if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[2:] == (block_tokens, heads, dim):
         return AttentionViews(kv[0], kv[1])  # flash attention (unverified: no GPU here)
     raise ValueError(f"unknown vLLM attention KV layout {tuple(kv.shape)} for {heads} heads of "
