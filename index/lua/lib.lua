@@ -235,7 +235,7 @@ local function get_req(rid) return get_packed(K_REQ, rid) end
 -- so they are never stale; a script whose writes must land returns through `reply`.
 local FLUSH_PAIRS = 1000  -- field-value pairs per HSET, well under Lua's stack
 
--- `encoded` holds a value's encoding made with it (put_encoded), used while nobody has read the
+-- `encoded` holds a value's encoding made with it (cache_put_encoded), used while nobody has read the
 -- value back (a reader may change it).
 local function field_cache(key, decode, encode)
   return {key = key, decode = decode, encode = encode, vals = {}, dirty = {}, order = {},
@@ -415,8 +415,8 @@ local function free_count(m)
 end
 
 -- A new private lead record as msgpack, the map alloc_set makes, assembled from its constant
--- parts: a step writes three per request, unread, and packing the table costs more.
--- Its constant parts are made on the first call (a library's code may call nothing as it loads).
+-- parts (made on the first call: a library's code may call nothing as it loads): a step writes
+-- three per request, unread, and packing the table costs more.
 local function fixstr(s) return string.char(0xa0 + #s) .. s end
 local PRIVATE_HEAD, PRIVATE_PAGES, PRIVATE_OWNER, PRIVATE_TAIL
 

@@ -171,9 +171,6 @@ while free < need do
 end
 reserve(need)  -- every page set this step allocates, in one LPOP
 
--- A new request's record; it keeps the hashes from one block before its first own page's parent
--- on, all that commit will ever read (that parent's page end, and the block before the hit: the
--- resend point of the turn end it restores, which settle_restored re-classes with it).
 local reqh_pairs, req_pairs = {}, {}  -- written once each, after the loop
 -- The page sets allocated in this step, lead -> ids: the reply names them without reading their
 -- records back (which would lose their ready-made encoding, lib.lua private_record).
@@ -189,6 +186,9 @@ local function set_pages(lead)
   return fresh_sets[lead] or get_rec(lead).pages
 end
 
+-- A new request's record; it keeps the hashes from one block before its first own page's parent
+-- on, all that commit will ever read (that parent's page end, and the block before the hit: the
+-- resend point of the turn end it restores, which settle_restored re-classes with it).
 local function start_request(p, rid, copies)
   local shared = p.slots_have
   local hoff = math.max(shared * PB - 2, 0)
