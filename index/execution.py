@@ -165,9 +165,9 @@ async def _on_slot_master(cluster: BoundedCluster, key: str,
                 await _refresh(cluster)
                 raise
             replies = [c.result for c in sent]
-            if any(isinstance(reply, MovedError) for reply in replies):
-                await cluster.nodes_manager.move_slot(
-                    next(r for r in replies if isinstance(r, MovedError)))
+            moved = next((r for r in replies if isinstance(r, MovedError)), None)
+            if moved is not None:
+                await cluster.nodes_manager.move_slot(moved)
                 continue
             if any(isinstance(reply, (RedisConnectionError, RedisTimeoutError, ClusterDownError,
                                       AskError)) for reply in replies):

@@ -227,9 +227,9 @@ class PrefixIndex:
         reply = await self._call("pin_prefix", [reader, prompt_tokens, bytes(hashes),
                                                 "" if deadline is None else deadline])
         groups = self.config.model.mla_groups
-        table = np.frombuffer(reply["mla"], dtype="<u4").reshape(-1, groups).T.tolist()
+        table = _page_table(reply["mla"], b"", groups) if reply["hit"] else []
         return PinnedPrefix(reader, reply["epoch"], reply["hit"] * self.config.cache.hash_block_tokens,
-                            table if reply["hit"] else [], list(_list(reply["ckpt"])))
+                            table, list(_list(reply["ckpt"])))
 
     async def _call(self, name: str, args: list[Any], decode: bool = True) -> Any:
         view = self.view

@@ -37,7 +37,7 @@ SERVICE_COMMANDS = ("fcall", "fcall_ro", "function|load", "evalsha", "eval", "ev
                     "cluster|myid", "asking", "readonly")
 # called by index/lua/*.lua
 SCRIPT_COMMANDS = ("exists", "hdel", "hexists", "hincrby", "hlen", "hmget", "hset", "hsetnx",
-                   "llen", "lpop", "lpush", "rpush", "unlink", "zadd", "zrange", "zrangebyscore", "zrem",
+                   "llen", "lpop", "rpush", "unlink", "zadd", "zrange", "zrangebyscore", "zrem",
                    "zscore")
 REPLICA_COMMANDS = ("psync", "replconf", "ping")
 

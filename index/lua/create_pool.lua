@@ -41,24 +41,23 @@ else
   redis.call("HSET", K_META, "epoch", 1, "fresh", 0, "tick", 0, "ticket", 0, "lru_pages", 0,
              "durable_cks", 0)
 end
--- A pool stored before meta.durable_cks was kept: its durable checkpoints cannot be counted in
--- bounded time, so if it has any it starts a new epoch (as when its agents restart).
+-- A stored pool these scripts cannot take as it is starts a new epoch, as when its agents
+-- restart: every per-epoch key goes.
+local function start_over()
+  redis.call("UNLINK", unpack(EPOCH_KEYS))
+  redis.call("HINCRBY", K_META, "epoch", 1)
+  redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0, "durable_cks", 0)
+end
+-- One stored before meta.durable_cks was kept: its durable checkpoints cannot be counted in
+-- bounded time, so it starts over if it has any.
 if redis.call("HEXISTS", K_META, "durable_cks") == 0 then
-  if redis.call("HLEN", K_CK) > 0 then
-    redis.call("UNLINK", unpack(EPOCH_KEYS))
-    redis.call("HINCRBY", K_META, "epoch", 1)
-    redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0)
-  end
+  if redis.call("HLEN", K_CK) > 0 then start_over() end
   redis.call("HSET", K_META, "durable_cks", 0)
 end
--- A pool stored with another record layout (lib.lua LAYOUT) holds records these scripts would
--- misread: if it has any, it starts a new epoch too.
+-- One stored with another record layout (lib.lua LAYOUT) holds records these scripts would
+-- misread: it starts over if it has any.
 if tonumber(redis.call("HGET", K_META, "layout")) ~= LAYOUT then
-  if redis.call("HLEN", K_PAGES) > 0 then
-    redis.call("UNLINK", unpack(EPOCH_KEYS))
-    redis.call("HINCRBY", K_META, "epoch", 1)
-    redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0, "durable_cks", 0)
-  end
+  if redis.call("HLEN", K_PAGES) > 0 then start_over() end
   redis.call("HSET", K_META, "layout", LAYOUT)
 end
 redis.call("HSETNX", K_META, "clock", 0)

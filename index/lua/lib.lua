@@ -432,20 +432,14 @@ local function private_record(kind, ids, owner)
          .. cmsgpack.pack(owner) .. PRIVATE_TAIL
 end
 
--- Page ids a step popped off the free list at once (`reserve`), handed out in order by alloc_set
--- before it pops any more: the same ids, in the same order, as one LPOP per page set.
+-- Page ids a step popped off the free list at once (`reserve`: exactly the pages it allocates,
+-- after its evictions), handed out in order by alloc_set before it pops any more: the same ids,
+-- in the same order, as one LPOP per page set (a miscount would leak ids: sanity_check's page
+-- count catches it).
 local RESERVED, NEXT_RESERVED = {}, 1
 
 local function reserve(n)
   if n > 0 then RESERVED, NEXT_RESERVED = redis.call("LPOP", K_FREE, n) or {}, 1 end
-end
-
--- Ids reserved but not handed out go back to the head of the free list, in their order.
-local function unreserve()
-  local left = {}
-  for i = #RESERVED, NEXT_RESERVED, -1 do left[#left + 1] = RESERVED[i] end
-  if #left > 0 then redis.call("LPUSH", K_FREE, unpack(left)) end
-  RESERVED, NEXT_RESERVED = {}, 1
 end
 
 local function alloc_set(m, kind, n, owner)

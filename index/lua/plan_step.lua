@@ -231,16 +231,13 @@ for n, p in ipairs(plans) do
   lease(rid, p.item.lease)
   rids[n] = rid
   local own, state, ckpt = {}, "", ""
-  for i, lead in ipairs(r.own) do
-    own[i] = m.mla_groups == 1 and struct.pack("<I4", lead) or pack_ids(set_pages(lead))
-  end
+  for i, lead in ipairs(r.own) do own[i] = pack_ids(fresh_sets[lead] or mla_pages(m, lead)) end
   if r.state >= 0 then state = pack_ids(set_pages(r.state)) end
   if r.ck >= 0 then ckpt = pack_ids(set_pages(r.ck)) end
   out[n] = {rid = rid, hit = r.hit, match = r.mt, start = p.start, stop = p.stop, shared = r.spath,
             own = table.concat(own), state = state, ckpt = ckpt,
             ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0, copies = table.concat(copies)}
 end
-unreserve()
 hset_pairs(K_REQ, req_pairs)
 hset_pairs(K_REQH, reqh_pairs)
 local ticket = new_ticket(m, rids, nonce)
