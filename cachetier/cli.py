@@ -453,7 +453,7 @@ def _add_up_parser(commands: Any) -> None:
                                         "until Ctrl-C")
     up.add_argument("--agents", type=int, default=None, metavar="N",
                     help="CPU agents: the tensor-parallel ranks of pool pool0 (default 2; 1 with "
-                         "--vllm-model)")
+                         "--vllm-model, where N is the engines' tensor_parallel_size)")
     up.add_argument("--vllm-model", type=Path, metavar="MODEL_DIR",
                     help="size the pool for this model's vLLM layout and write --info for "
                          "vLLM engines (Gated DeltaNet + GQA models)")

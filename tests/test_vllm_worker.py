@@ -29,6 +29,7 @@ from cachetier.vllm.geometry import config_for_model
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
 from cachetier.vllm.kv_copy import (AttentionViews, TokenRows, engine_attention_views,
                                     rows_to_engine, rows_to_pool)
+from cachetier.vllm.ranks import Ranks
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
 from cachetier.vllm.worker_side import ConnectorWorker, state_blocks
@@ -65,7 +66,7 @@ def _worker(cluster: Cluster,
                                                    ["kv_connector_extra_config"])
     tier = TierThread(settings.service, settings.token)
     names = [[f"layers.{i}.linear_attn"] for i in range(3)] + [["layers.3.self_attn.attn"]]
-    worker = ConnectorWorker(settings, cluster.settings.config, GROUPS, names, tier)
+    worker = ConnectorWorker(settings, cluster.settings.config, GROUPS, names, tier, Ranks(0, 1))
     caches = _engine_caches(cluster.settings.config)
     worker.register_kv_caches(caches)
     return worker, caches, info

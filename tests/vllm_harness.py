@@ -23,10 +23,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from cachetier.client import CacheTierClient
 from cachetier.run.cluster import POOL, Cluster
 from cachetier.run.vllm_cluster import vllm_cluster_settings
 from cachetier.vllm.engine_run import EngineProcess
 from cachetier.vllm.info import connector_info, write_info
+from index.hashing import chain_hashes, namespace_root
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 
@@ -155,3 +157,18 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def pinned_hit(cluster: Cluster, info: Path, prompt: list[int]) -> Any:
+    """Where the tier holds `prompt`'s longest prefix (pinned, then released at once): the pages
+    a test reaches into the pool for."""
+    details = json.loads(info.read_text())
+    hashes = chain_hashes(prompt, namespace_root(details["model_id"]),
+                          cluster.settings.config.cache.hash_block_tokens)
+
+    async def pin() -> Any:
+        async with CacheTierClient(cluster.service_url, token=details["token"]) as tier:
+            pinned = await tier.pin(POOL, "test-reader", len(prompt), hashes)
+            await tier.release(POOL, ["test-reader"])
+            return pinned
+    return asyncio.run(pin())

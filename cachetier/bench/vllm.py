@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             info = workdir / "info.json"
             write_info(info, connector_info(service=cluster.service_url,
                                             token=cluster.client_token, pool=POOL,
-                                            handle_file=cluster.handle_file(0),
+                                            handle_file=cluster.handle_file_pattern,
                                             model_dir=model, config=settings.config))
             tiered = _serve(model, workdir, "tier", rounds, args, info=info,
                             engine_args=capacity)

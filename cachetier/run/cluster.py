@@ -338,7 +338,13 @@ class Cluster:
 
     def handle_file(self, rank: int) -> Path:
         """Where agent `rank` writes the handle a co-located worker attaches to its pool with."""
-        return self.run_dir / f"agent-{rank}.handle"
+        return Path(self.handle_file_pattern.format(rank=rank))
+
+    @property
+    def handle_file_pattern(self) -> str:
+        """Every agent's handle file, `{rank}` standing for the rank: what a vLLM connector is
+        given, so each tensor-parallel worker finds its own rank's agent."""
+        return str(self.run_dir / "agent-{rank}.handle")
 
     @property
     def client_token(self) -> str:

@@ -25,13 +25,15 @@ def vllm_cluster_settings(model_dir: Path, *, run_dir: Path | None = None,
                           overrides: Sequence[tuple[str, str]] = (),
                           tls: bool = False) -> ClusterSettings:
     """The cluster whose pool is sized for `model_dir`'s vLLM layout
-    (`cachetier.vllm.geometry.config_for_model`), `overrides` (`--set` pairs) on top; with
-    `kv_events_endpoint`, its cache events also go out there as vLLM KV events."""
-    if agents != 1:
-        raise ConfigError("--agents", "the vLLM connector serves engines of tensor-parallel "
-                                      f"size 1: one agent, got {agents}")
+    (`cachetier.vllm.geometry.config_for_model`) on engines of tensor-parallel size `agents` (one
+    agent per rank, rank r's worker attaching to agent r), `overrides` (`--set` pairs) on top;
+    with `kv_events_endpoint`, its cache events also go out there as vLLM KV events."""
+    if agents < 1:
+        raise ConfigError("--agents", f"one agent per tensor-parallel rank: at least 1, got "
+                                      f"{agents}")
     try:
-        config = config_for_model(model_dir, num_pages=pool_pages, hash_unit=hash_unit)
+        config = config_for_model(model_dir, num_pages=pool_pages, hash_unit=hash_unit,
+                                  tp_degree=agents)
     except (GeometryMismatch, ConfigError, OSError) as exc:
         raise ConfigError("--vllm-model", str(exc)) from None
     serve_config = override_arguments(config) + [f"--set={k}={v}" for k, v in overrides]
@@ -48,7 +50,7 @@ def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> i
 
     def job(cluster: Cluster) -> None:
         info = connector_info(service=cluster.service_url, token=cluster.client_token, pool=POOL,
-                              handle_file=cluster.handle_file(0), model_dir=model_dir,
+                              handle_file=cluster.handle_file_pattern, model_dir=model_dir,
                               config=settings.config,
                               kv_events_endpoint=settings.kv_events_endpoint)
         try:

@@ -6,10 +6,10 @@
 vLLM builds it twice: in the scheduler (`ConnectorScheduler`: lookups, pins, save planning) and in
 each worker (`ConnectorWorker`: the copies and the saves' commits). Both refuse to start, with a
 message naming every difference, when the engine does not match the pool: another model (its
-fingerprint), another geometry (groups, heads, dims, dtypes, block size, hash unit), tensor
-parallelism (not served yet), a mamba cache mode other than align (the saves need vLLM's
-boundary states), or, on CPU, an attention kernel whose block layout the copies do not read
-(`kv_copy.CPU_ATTENTION_ISAS`; AMX packs K and V in tiles).
+fingerprint), another geometry (groups, heads, dims, dtypes, block size, hash unit, tensor-
+parallel degree: each rank's worker maps its own rank's agent, `ranks`), a mamba cache mode
+other than align (the saves need vLLM's boundary states), or, on CPU, an attention kernel whose
+block layout the copies do not read (`kv_copy.CPU_ATTENTION_ISAS`; AMX packs K and V in tiles).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cachetier.vllm.geometry import (GeometryMismatch, geometry_differences, mod
                                      model_spec_from_vllm)
 from cachetier.vllm.jobs import CacheTierMetadata, WorkerReport
 from cachetier.vllm.kv_copy import CPU_ATTENTION_ISAS
+from cachetier.vllm.ranks import engine_ranks
 from cachetier.vllm.scheduler_side import ConnectorScheduler
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
@@ -40,8 +41,9 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = ConnectorSettings.from_extra_config(
-            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        transfer = vllm_config.kv_transfer_config
+        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config,
+                                                       engine_id=transfer.engine_id)
         config = _checked_config(settings, vllm_config, kv_cache_config)
         groups = ["linear" if isinstance(g.kv_cache_spec, MambaSpec) else "full"
                   for g in kv_cache_config.kv_cache_groups]
@@ -54,7 +56,7 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = ConnectorWorker(settings, config, groups,
                                            [list(g.layer_names)
                                             for g in kv_cache_config.kv_cache_groups],
-                                           self._tier)
+                                           self._tier, engine_ranks(config.model.tp_degree))
 
     # -- worker side -------------------------------------------------------------------------------
 
@@ -124,7 +126,7 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
 
 def _checked_config(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any) -> Config:
     """The pool's configuration, once the engine is shown to match it; else `GeometryMismatch`."""
-    handle, _ = read_handle(settings.handle_file)
+    handle, _ = read_handle(settings.handle_file_of(0))  # every rank's pool has one geometry
     pool = Config(handle.model, handle.cache)
     cache_config = vllm_config.cache_config
     problems = []
@@ -133,8 +135,10 @@ def _checked_config(settings: ConnectorSettings, vllm_config: Any, kv_cache_conf
         problems.append(f"model: engine serves {vllm_config.model_config.model} (fingerprint "
                         f"{fingerprint}), pool {settings.pool} holds model {settings.model_id}")
     tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp != 1:
-        problems.append(f"tensor_parallel_size: engine {tp}; this connector serves TP 1 only")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp != 1:
+        problems.append(f"pipeline_parallel_size: engine {pp}; the connector serves pipeline "
+                        "size 1 (a worker holding only some layers cannot save whole states)")
     if cache_config.mamba_cache_mode != "align":
         problems.append(f"mamba_cache_mode: engine {cache_config.mamba_cache_mode!r}, the "
                         "connector needs 'align'")

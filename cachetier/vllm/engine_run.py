@@ -115,6 +115,7 @@ def _serve(model: str, info: dict[str, Any] | None, extra_args: dict[str, Any],
     else:
         engine_args["enable_prefix_caching"] = False
     engine_args.update(extra_args)
+    _bind_cpu_ranks(engine_args.get("tensor_parallel_size", 1))
     started = time.perf_counter()
     llm = LLM(model=model, **engine_args)
     _answer(results, {"ready_s": time.perf_counter() - started})
@@ -127,6 +128,20 @@ def _serve(model: str, info: dict[str, Any] | None, extra_args: dict[str, Any],
         _answer(results, {"seconds": seconds,
                           "requests": {r["id"]: _result(r, o)
                                        for r, o in zip(order["requests"], outputs)}})
+
+
+def _bind_cpu_ranks(tp: int) -> None:
+    """vLLM's CPU workers bind their threads one NUMA node per rank unless told which cores each
+    rank gets; a one-node machine (this one) then refuses TP > 1. Give each rank its share of
+    this process's cores, unless the user chose (`VLLM_CPU_OMP_THREADS_BIND`)."""
+    from vllm.platforms import current_platform
+
+    if tp == 1 or not current_platform.is_cpu() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // tp)
+    ranks = [cores[(r * share) % len(cores):][:share] for r in range(tp)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in ranks)
 
 
 def _prompt(request: dict[str, Any]) -> dict[str, Any]:

@@ -58,15 +58,16 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 64,
-                     hash_unit: int | None = None) -> Config:
-    """The pool configuration for a GDN + GQA model served by vLLM with `engine_args_for`; the
+                     hash_unit: int | None = None, tp_degree: int = 1) -> Config:
+    """The pool configuration for a GDN + GQA model served by vLLM with `engine_args_for` on
+    `tp_degree` ranks (one agent per rank, each pool page one rank's share of a block); the
     hash unit is vLLM's attention block unless given (`FINE_HASH_UNIT` for prompt tails)."""
     fields = hf_model_fields(Path(model_dir) / "config.json")
     if fields["linear_kind"] != "gdn":
         raise GeometryMismatch(f"{model_dir}: only Gated DeltaNet + GQA models (Qwen3-Next, "
                                "Qwen3.5) are served through vLLM here; KDA + MLA is not yet")
     fields["kda_state_dtype"] = SSM_STATE_DTYPE
-    model = ModelSpec(**fields)
+    model = ModelSpec(**fields, tp_degree=tp_degree)
     block = attention_block_tokens(model)
     unit = hash_unit or block
     if unit <= 0 or block % unit:
@@ -78,8 +79,9 @@ def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 
 
 def attention_block_tokens(model: ModelSpec) -> int:
     """vLLM's hybrid block size: the fewest tokens, a multiple of the kernel base, whose
-    attention page holds one linear-attention state (vLLM pads the state page to it)."""
-    token_bytes = 2 * model.gqa_kv_heads * model.gqa_head_dim * DTYPE_BYTES[model.mla_dtype]
+    attention page holds one linear-attention state (vLLM pads the state page to it). Each rank
+    sizes its own pages, from its share of the heads."""
+    token_bytes = model.mla_token_bytes
     state_bytes = model.kda_rank_conv_bytes + model.kda_rank_recurrent_bytes
     base = math.lcm(_KERNEL_BLOCK_BASE, FINE_HASH_UNIT)
     return base * math.ceil(state_bytes / (base * token_bytes))

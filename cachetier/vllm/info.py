@@ -25,8 +25,10 @@ CONNECTOR = {"kv_connector": "CacheTierConnector", "kv_connector_module_path": "
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 
 
-def connector_info(*, service: str, token: str, pool: str, handle_file: Path, model_dir: Path,
-                   config: Config, kv_events_endpoint: str | None = None) -> dict[str, Any]:
+def connector_info(*, service: str, token: str, pool: str, handle_file: Path | str,
+                   model_dir: Path, config: Config,
+                   kv_events_endpoint: str | None = None) -> dict[str, Any]:
+    """`handle_file`: the agents' handle files, `{rank}` standing for a worker's rank."""
     model_id = model_fingerprint(model_dir)
     extra = {"service": service, "token": token, "pool": pool, "handle_file": str(handle_file),
              "model_id": model_id}

@@ -24,15 +24,23 @@ class ConnectorSettings:
     service: str  # the service URL, e.g. tcp://127.0.0.1:7400
     token: str
     pool: str
-    handle_file: str  # where the pool's agent (TP rank 0) publishes its PoolHandle
+    # where the pool's agents publish their PoolHandles; `{rank}` stands for a worker's
+    # tensor-parallel rank (a path without it serves TP 1)
+    handle_file: str
     model_id: str  # `geometry.model_fingerprint` of the model the pool serves
     placement: str = "ladder"  # which of vLLM's boundary states become kept checkpoints
+    # names this engine's readers and saves in the index: the scheduler's and every rank's
+    # connector must agree on it (vLLM's `KVTransferConfig.engine_id` unless given)
     engine_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
     timeout_s: float = 30.0
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None,
+                          engine_id: str | None = None) -> ConnectorSettings:
+        """`engine_id`: the engine's own id, unless `extra` names one."""
         extra = dict(extra or {})
+        if engine_id is not None:
+            extra.setdefault("engine_id", engine_id)
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = f.name
@@ -54,3 +62,13 @@ class ConnectorSettings:
                                        f"{settings.placement!r}; expected one of "
                                        f"{sorted(PLACEMENTS)}")
         return settings
+
+    def handle_file_of(self, rank: int) -> str:
+        """The handle file of rank `rank`'s agent, the one its worker maps in place."""
+        if "{rank}" not in self.handle_file:
+            if rank:
+                raise ConnectorConfigError(f"kv_connector_extra_config.handle_file "
+                                           f"{self.handle_file!r} names one agent; a "
+                                           "tensor-parallel engine needs a '{rank}' in it")
+            return self.handle_file
+        return self.handle_file.replace("{rank}", str(rank))

@@ -8,6 +8,10 @@ confirm and one release; a load checks the pool epoch it pinned in is still the 
 copies, so a hit made void while it was read (an agent lost, the pool invalidated) is reported to
 vLLM as failed blocks, which it recomputes, instead of serving bytes nobody vouches for.
 
+With tensor parallelism each rank's worker maps its own rank's agent (`ConnectorSettings.
+handle_file_of`) and copies its share of the heads; a step's saves are planned and committed once,
+by rank 0, for all ranks (`ranks.Ranks`): committed only if every rank wrote its share.
+
 The agent's handle file is re-read when it changes (a restarted agent holds a new segment); a
 save planned across such a change is abandoned. A save writes under the agent's epoch fence
 (`PagedPool.writing`, `gpu_pool.fence`): a save whose epoch was voided after its plan is refused
@@ -35,6 +39,7 @@ from cachetier.vllm.kv_copy import (AttentionViews, StateViews, TokenRows, engin
                                     engine_state_views, pool_attention_views, pool_state_views,
                                     rows_to_engine, rows_to_pool, states_to_engine,
                                     states_to_pool)
+from cachetier.vllm.ranks import Ranks
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
 from gpu_pool import PagedPool, PoolHandle
@@ -59,12 +64,13 @@ def read_handle(path: str) -> tuple[PoolHandle, tuple[int, int]]:
 
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, config: Config, groups: list[str],
-                 layer_names: list[list[str]], tier: TierThread) -> None:
+                 layer_names: list[list[str]], tier: TierThread, ranks: Ranks) -> None:
         self.settings = settings
         self.config = config
         self.groups = groups
         self.layer_names = layer_names
         self.tier = tier
+        self.ranks = ranks
         self.placement = PLACEMENTS[settings.placement]
         self.block_tokens = config.cache.page_tokens  # vLLM's block (the alignment rule)
         self._engine_attention: dict[int, list[AttentionViews]] = {}
@@ -93,7 +99,7 @@ class ConnectorWorker:
 
     def _map_pool(self) -> _PoolMapping:
         """The current agent's pool, mapped again when its handle file changed."""
-        path = self.settings.handle_file
+        path = self.settings.handle_file_of(self.ranks.rank)
         stat = os.stat(path)
         identity = (stat.st_ino, stat.st_mtime_ns)
         if self._mapping is not None and self._mapping.identity == identity:
@@ -175,35 +181,81 @@ class ConnectorWorker:
     # -- saves: after the forward pass ------------------------------------------------------------
 
     def save(self, meta: CacheTierMetadata) -> None:
+        """Every rank runs this on the same metadata, so the leader's plan and the ranks'
+        verdicts pass between them in step (`Ranks`); only the leader talks to the index."""
         if not meta.saves:
             return
         rids = [f"{self.settings.engine_id}/{job.rid}@{job.boundary}" for job in meta.saves]
-        pool = self.settings.pool
         begin = time.perf_counter()
         try:
-            mapping = self._map_pool()
-            requests = [StepRequest(rid, job.boundary, job.boundary, job.hashes)
-                        for rid, job in zip(rids, meta.saves)]
-            plan = self.tier.call(lambda c: c.plan(pool, requests), self.settings.timeout_s)
+            mapping = self._mapped()  # before the plan: an agent changed since is caught
+            plan = self.ranks.from_leader(self._plan_saves(meta.saves, rids)
+                                          if self.ranks.leader else None)
+            written = (plan is not None and mapping is not None
+                       and self._write_saves(mapping, meta.saves, rids, plan))
+            everywhere = self.ranks.all_succeeded(written)
+            if self.ranks.leader and plan is not None:  # the leader counts for the engine
+                if everywhere:
+                    self._commit_saves(meta.saves, rids, plan)
+                else:
+                    self._report.failed_saves += len(meta.saves)
+        finally:
+            self._report.save_ms += 1000 * (time.perf_counter() - begin)
+            if self.ranks.leader:
+                pool = self.settings.pool
+                release = self.tier.submit(lambda c: c.release(pool, rids))
+                release.add_done_callback(lambda f: f.exception())
+
+    def _plan_saves(self, saves: Sequence[SaveJob], rids: list[str]) -> StepPlan | None:
+        """The leader's plan for the step's saves, or None (counted failed) without one."""
+        requests = [StepRequest(rid, job.boundary, job.boundary, job.hashes)
+                    for rid, job in zip(rids, saves)]
+        try:
+            plan = self.tier.call(lambda c: c.plan(self.settings.pool, requests),
+                                  self.settings.timeout_s)
+        except Exception as exc:
+            log.warning("cachetier save not planned (the prefix stays uncached): %s", exc)
+            plan = None
+        else:
             if not isinstance(plan, StepPlan):
                 log.info("cachetier save skipped: %s", plan.reason)
-                self._report.failed_saves += len(meta.saves)
-                return
+                plan = None
+        if plan is None:
+            self._report.failed_saves += len(saves)
+        return plan
+
+    def _mapped(self) -> _PoolMapping | None:
+        try:
+            return self._map_pool()
+        except Exception as exc:
+            log.warning("cachetier pool of rank %d not mapped: %s", self.ranks.rank, exc)
+            return None
+
+    def _write_saves(self, mapping: _PoolMapping, saves: Sequence[SaveJob], rids: list[str],
+                     plan: StepPlan) -> bool:
+        """This rank's share of every planned save into its pool; False if any byte could not be
+        written (the agent changed since `mapping`, or fenced the plan's epoch off)."""
+        try:
             if self._map_pool() is not mapping:
                 raise RuntimeError("the agent changed during the save")
             planned = {p.rid: p for p in plan.requests}
-            pairs = [(job, planned[rid]) for rid, job in zip(rids, meta.saves)]
             with mapping.pool.writing(plan.epoch):  # refused once the agent fenced it off
-                self._copy_saves(mapping, pairs)
-            items = [self._commit_item(job, p) for job, p in pairs]
-            self.tier.call(lambda c: _commit(c, pool, items), self.settings.timeout_s)
+                self._copy_saves(mapping, [(job, planned[rid]) for rid, job in zip(rids, saves)])
+            return True
         except Exception as exc:
-            self._report.failed_saves += len(meta.saves)
-            log.warning("cachetier save failed (the prefix stays uncached): %s", exc)
-        finally:
-            self._report.save_ms += 1000 * (time.perf_counter() - begin)
-            release = self.tier.submit(lambda c: c.release(pool, rids))
-            release.add_done_callback(lambda f: f.exception())
+            log.warning("cachetier save failed on rank %d (the prefix stays uncached): %s",
+                        self.ranks.rank, exc)
+            return False
+
+    def _commit_saves(self, saves: Sequence[SaveJob], rids: list[str], plan: StepPlan) -> None:
+        planned = {p.rid: p for p in plan.requests}
+        items = [self._commit_item(job, planned[rid]) for rid, job in zip(rids, saves)]
+        try:
+            self.tier.call(lambda c: _commit(c, self.settings.pool, items),
+                           self.settings.timeout_s)
+        except Exception as exc:
+            self._report.failed_saves += len(saves)
+            log.warning("cachetier commit failed (the prefix stays uncached): %s", exc)
 
     def _copy_saves(self, mapping: _PoolMapping,
                     pairs: Sequence[tuple[SaveJob, RequestPlan]]) -> None:
