@@ -1,4 +1,5 @@
-"""`cachetier up --vllm-model DIR --info FILE`: the cluster for vLLM engines, run as a user runs it.
+"""`cachetier up --vllm-model DIR --info FILE --agents 2`: the cluster for vLLM engines of
+tensor-parallel size 2, run as a user runs it.
 
 The info file appears once the cluster answers, holds what an engine needs (a connector config
 vLLM accepts as is, the engine arguments of the alignment rules), and goes away with the cluster
@@ -33,7 +34,7 @@ def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir:
     events = f"ipc://{tmp_path / 'events.ipc'}"
     up = subprocess.Popen([sys.executable, "-m", "cachetier.cli", "up", "--vllm-model",
                            str(model_dir), "--info", str(info), "--port", "0", "--run-dir",
-                           str(run_dir), "--kv-events-endpoint", events],
+                           str(run_dir), "--kv-events-endpoint", events, "--agents", "2"],
                           stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -48,7 +49,9 @@ def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir:
         assert transfer.kv_load_failure_policy == "recompute"
         extra = transfer.kv_connector_extra_config
         assert extra["model_id"] == model_fingerprint(model_dir)
-        assert Path(extra["handle_file"]).exists()  # the agent has published its pool
+        for rank in (0, 1):  # each rank's agent has published its pool, where its worker looks
+            assert Path(extra["handle_file"].replace("{rank}", str(rank))).exists()
+        assert details["engine_args"]["tensor_parallel_size"] == 2
         assert details["engine_args"]["block_size"] == 1152
         assert details["engine_args"]["prefix_match_unit"] == 1152
         assert details["kv_events_endpoint"] == events
