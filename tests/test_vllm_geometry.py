@@ -23,11 +23,13 @@ from cachetier.vllm.settings import ConnectorConfigError, ConnectorSettings
 
 def _engine_config(*, attention_dtype: torch.dtype = torch.bfloat16, kv_heads: int = 2,
                    state_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
-                   block: int = 1152) -> KVCacheConfig:
-    """What vLLM 0.32 builds for the tiny Qwen3-Next on the CPU (seen in a real engine)."""
-    state = MambaSpec(block_size=block, shapes=((3, 1024), (4, 128, 128)), dtypes=state_dtypes,
-                      page_size_padded=294912, mamba_cache_mode="align")
-    attention = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=32,
+                   block: int = 1152, tp: int = 1) -> KVCacheConfig:
+    """What vLLM 0.32 builds for the tiny Qwen3-Next on the CPU (seen in a real engine), on each
+    rank of a `tp`-rank engine (heads and conv channels split, the block unchanged)."""
+    state = MambaSpec(block_size=block, shapes=((3, 1024 // tp), (4 // tp, 128, 128)),
+                      dtypes=state_dtypes, page_size_padded=294912 // tp,
+                      mamba_cache_mode="align")
+    attention = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads // tp, head_size=32,
                                   dtype=attention_dtype)
     groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], state) for i in range(3)]
     groups.append(KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attention))
@@ -72,6 +74,19 @@ def test_block_and_hash_unit_differences_are_named(model_dir: Path) -> None:
         "prefix_match_unit: engine 256, pool hash_block_tokens 1152"]
 
 
+def test_a_two_rank_pool_matches_each_rank_of_a_two_rank_engine(model_dir: Path) -> None:
+    """Each rank's pages hold its share of the heads: half the page of one rank, the block
+    unchanged (vLLM's two-rank engine chose 1,152 tokens too, seen here)."""
+    config = config_for_model(model_dir, num_pages=32, tp_degree=2)
+    rank = model_spec_from_vllm(_engine_config(tp=2), tp_degree=2)
+    assert geometry_differences(config, rank, 1152, 1152) == []
+    assert config.cache.page_tokens == 1152 and config.geometry.page_bytes == 294912 // 2
+    assert engine_args_for(config)["tensor_parallel_size"] == 2
+    single = config_for_model(model_dir, num_pages=32)
+    assert geometry_differences(single, rank, 1152, 1152) == [
+        "model.tp_degree: engine 2, pool 1"]
+
+
 def test_an_engine_without_linear_attention_is_refused() -> None:
     full_only = _engine_config()
     full_only = dataclasses.replace(full_only, kv_cache_groups=full_only.kv_cache_groups[3:])
@@ -89,3 +104,16 @@ def test_connector_settings_name_the_bad_key() -> None:
                             ({**good, "placement": "nowhere"}, "placement: unknown")):
         with pytest.raises(ConnectorConfigError, match=message):
             ConnectorSettings.from_extra_config(broken)
+
+
+def test_each_rank_finds_its_own_agent_and_all_share_the_engine_id() -> None:
+    good = {"service": "tcp://127.0.0.1:1", "token": "t", "pool": "p",
+            "handle_file": "/run/agent-{rank}.handle", "model_id": "m"}
+    settings = ConnectorSettings.from_extra_config(good, engine_id="engine-7")
+    assert [settings.handle_file_of(r) for r in (0, 1)] == ["/run/agent-0.handle",
+                                                             "/run/agent-1.handle"]
+    assert settings.engine_id == "engine-7"  # vLLM's, the same in the scheduler and each rank
+    one = ConnectorSettings.from_extra_config({**good, "handle_file": "/run/agent-0.handle"})
+    assert one.handle_file_of(0) == "/run/agent-0.handle"
+    with pytest.raises(ConnectorConfigError, match="needs a '\\{rank\\}'"):
+        one.handle_file_of(1)
