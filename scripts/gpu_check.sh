@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device check for the data plane (gpu_pool/, kernels/): run on a machine with a CUDA GPU.
-# Runs the `gpu`-marked tests (compiled Triton on CUDA, CUDA IPC to a spawned worker) and the
-# restore benchmark, and writes everything under $OUT (default ./gpu_check_out):
+# Runs the `gpu`-marked tests (compiled Triton on CUDA: page copies, and the vLLM connector's tile
+# copies against their torch path; CUDA IPC to a spawned worker) and the restore benchmark, and
+# writes everything under $OUT (default ./gpu_check_out):
 #   env.txt            nvidia-smi, torch/triton versions
 #   pytest.log, pytest.xml
 #   bench.json         `python -m cachetier.bench.restore --json` on cuda
@@ -23,7 +24,7 @@ fi
 
 status=0
 timeout 300 "$PY" -m pytest -m gpu -q -rs --junitxml="$OUT/pytest.xml" \
-    tests/test_kernels.py tests/test_pool.py >"$OUT/pytest.log" 2>&1 || status=1
+    tests/test_kernels.py tests/test_kv_copy_kernels.py tests/test_pool.py >"$OUT/pytest.log" 2>&1 || status=1
 timeout 240 "$PY" -m cachetier.bench.restore --device cuda --json >"$OUT/bench.json" 2>"$OUT/bench.log" || status=1
 tail -n 3 "$OUT/pytest.log"
 cat "$OUT/bench.json"

@@ -35,6 +35,7 @@ from cachetier.vllm.tier_thread import TierThread
 from cachetier.vllm.worker_side import ConnectorWorker, state_blocks
 from gpu_pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
+from kernels.tile_copy import _KERNEL as tile_copy_kernel
 from tests.vllm_harness import tokens, vllm_cluster
 
 GROUPS = ["linear", "linear", "linear", "full"]  # the tiny Qwen3-Next's groups, as vLLM orders them
@@ -105,12 +106,12 @@ def _fill(caches: dict[str, torch.Tensor], state_blocks: list[int], kv_blocks: l
     return _write_kv(caches["layers.3.self_attn.attn"], slots, noise)
 
 
-def _pin(info: dict[str, Any], reader: str) -> Any:
-    hashes = chain_hashes(PROMPT, namespace_root(info["model_id"]), 1152)
+def _pin(info: dict[str, Any], reader: str, prompt: list[int] = PROMPT) -> Any:
+    hashes = chain_hashes(prompt, namespace_root(info["model_id"]), 1152)
 
     async def pin() -> Any:
         async with CacheTierClient(info["service"], token=info["token"]) as tier:
-            return await tier.pin(POOL, reader, len(PROMPT), hashes)
+            return await tier.pin(POOL, reader, len(prompt), hashes)
     return asyncio.run(pin())
 
 
@@ -121,16 +122,25 @@ def _release(info: dict[str, Any], reader: str) -> None:
     asyncio.run(release())
 
 
-def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: Cluster,
-                                                                       model_dir: Path) -> None:
+@pytest.mark.parametrize("interpret", [False, True], ids=["torch", "triton-interpreter"])
+def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(
+        cluster: Cluster, model_dir: Path, interpret: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the torch path (plain CPU), then through the Triton kernels (the interpreter, as a
+    CUDA engine runs them compiled), each with a prompt of its own so each saves."""
+    monkeypatch.setattr(tile_copy_kernel, "_built", {})  # built here iff the worker launches it
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    prompt = tokens(51, 3000) if interpret else PROMPT
     worker, caches, info = _worker(cluster, model_dir)
     state_blocks, kv_blocks = [1, 2, 3], [4, 5, 6]
     keys, values = _fill(caches, state_blocks, kv_blocks, cluster.settings.config)
-    hashes = chain_hashes(PROMPT[:BOUNDARY], namespace_root(info["model_id"]), 1152)
+    hashes = chain_hashes(prompt[:BOUNDARY], namespace_root(info["model_id"]), 1152)
     table = ([0, 1, 0], [0, 2, 0], [0, 3, 0], kv_blocks)
-    worker.save(CacheTierMetadata(saves=[SaveJob("r1", BOUNDARY, len(PROMPT), hashes,
+    worker.save(CacheTierMetadata(saves=[SaveJob("r1", BOUNDARY, len(prompt), hashes,
                                                  state_blocks, table)]))
-    pinned = _pin(info, "reader")
+    pinned = _pin(info, "reader", prompt)
     assert pinned.hit_tokens == BOUNDARY
     pool = PagedPool.attach(pickle.loads(cluster.handle_file(0).read_bytes()))
     for i, page in enumerate(pinned.checkpoint_pages):  # the pool's own views read vLLM's state
@@ -155,6 +165,7 @@ def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(cluster: C
         assert torch.equal(cache[fresh_state[i]], cache[state_blocks[i]])
     assert torch.equal(kv[fresh_kv[:2]], kv[kv_blocks[:2]])  # whole blocks, byte for byte
     assert not kv[fresh_kv[2]].any(), "rows past the hit are vLLM's to compute"
+    assert list(tile_copy_kernel._built) == ([True] if interpret else [])
     worker.tier.close()
 
 

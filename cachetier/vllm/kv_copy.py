@@ -19,21 +19,32 @@ Both sides are seen through typed, strided views of their own buffers (no copy t
   packs them. The pool's state page has the same order, conv rows channel-major (`[channels,
   kernel - 1]`), so the conv part is transposed on the way and the recurrent part is copied as is.
 
-A batch gathers every token row (and every state) of a step's jobs into index tensors, then moves
-each layer with one indexed copy per part: a step costs a fixed number of tensor operations per
-layer whatever its requests. This is the torch path, on whatever device both buffers are; the
-project's Triton page-copy kernel moves byte ranges between pages of one layout and does not do
-these transposes.
+A batch gathers every token row (and every state) of a step's jobs into index tensors; one call per
+cache group (`load_rows`, `save_rows`, `load_states`, `save_states`) moves it for all the group's
+layers, by the rule every kernel launcher follows (`kernels._launch.pick_backend`):
+- Triton when both buffers are on one CUDA device (or under `TRITON_INTERPRET=1`, the tests' CPU
+  interpreter): `kernels.tile_copy` takes every (layer, part) as a row of a table, so a group's
+  copy is one launch per word width whatever its layer count (the flash layout's K and V: one;
+  conv and recurrent parts: two, as they move different words). The page-copy kernel would not
+  do: it moves byte ranges within one layout, and these copies gather rows and transpose;
+- otherwise the torch path, one indexed copy per layer and part (`rows_to_engine`,
+  `rows_to_pool`, `states_to_engine`, `states_to_pool`, on whatever devices the buffers are):
+  the reference the kernel is tested against byte for byte, and the fallback.
+On CUDA both only queue the copies: `finish_copies` waits for them before the worker vouches for
+the bytes (a load's epoch check, a save's fence and commit).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cachetier.config import ModelSpec
 from gpu_pool.layout import PageLayout, torch_dtype
+from kernels._launch import Backend, pick_backend
+from kernels.tile_copy import tile_copy
 
 
 @dataclass(frozen=True)
@@ -169,3 +180,88 @@ def _copy_states(dst: StateViews, dst_at: list[int], src: StateViews, src_at: li
     into, out_of = _index(dst_at, device), _index(src_at, src.conv.device)
     dst.conv[into] = src.conv[out_of].transpose(1, 2).to(device)
     dst.recurrent[into] = src.recurrent[out_of].to(device)
+
+
+# -- a group's layers at once: Triton where it runs, the torch path above otherwise ----------------
+
+def load_rows(pool: Sequence[AttentionViews], engine: Sequence[AttentionViews],
+              rows: TokenRows) -> Backend:
+    """`rows_to_engine` for every layer of a group (pool slot `i` into engine layer `i`)."""
+    return _move_rows(engine, (rows.blocks, rows.block_rows), pool, (rows.pages, rows.page_rows))
+
+
+def save_rows(engine: Sequence[AttentionViews], pool: Sequence[AttentionViews],
+              rows: TokenRows) -> Backend:
+    """`rows_to_pool` for every layer of a group (engine layer `i` into pool slot `i`)."""
+    return _move_rows(pool, (rows.pages, rows.page_rows), engine, (rows.blocks, rows.block_rows))
+
+
+def load_states(pool: Sequence[StateViews], engine: Sequence[StateViews], pages: list[int],
+                blocks: list[int]) -> Backend:
+    """`states_to_engine` for every layer of a group."""
+    return _move_states(engine, blocks, pool, pages)
+
+
+def save_states(engine: Sequence[StateViews], pool: Sequence[StateViews], blocks: list[int],
+                pages: list[int]) -> Backend:
+    """`states_to_pool` for every layer of a group."""
+    return _move_states(pool, pages, engine, blocks)
+
+
+def finish_copies(device: torch.device) -> None:
+    """Wait for the copies queued on `device`'s current stream. On CUDA both paths only queue
+    them, and what follows needs them done: a load's epoch check vouches for bytes already read,
+    a save's fence and commit for bytes already written."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _backend(src: torch.Tensor, dst: torch.Tensor) -> Backend:
+    """`kernels._launch.pick_backend` on the buffers' device; torch when they are on two devices
+    (a kernel reads and writes one device's memory)."""
+    if src.device != dst.device:
+        return "torch"
+    return pick_backend(src.device.type, "kv_copy")
+
+
+def _move_rows(dst: Sequence[AttentionViews], dst_at: tuple[torch.Tensor, torch.Tensor],
+               src: Sequence[AttentionViews], src_at: tuple[torch.Tensor, torch.Tensor]) -> Backend:
+    """K and V of every layer as parts of one `tile_copy` (a token row's `[heads, head_dim]` is a
+    tile; K and V launch apart only when their strides allow different words, vLLM's CPU K)."""
+    pairs = list(zip(src, dst))
+    if not pairs:
+        return "torch"
+    backend = _backend(pairs[0][0].keys, pairs[0][1].keys)
+    if backend == "torch":
+        for s, d in pairs:
+            _copy_rows(d, dst_at, s, src_at)
+    else:
+        jobs = torch.stack([*src_at, *dst_at], dim=1)
+        tile_copy([(s.keys, d.keys) for s, d in pairs] + [(s.values, d.values) for s, d in pairs],
+                  jobs)
+    return backend
+
+
+def _move_states(dst: Sequence[StateViews], dst_at: list[int], src: Sequence[StateViews],
+                 src_at: list[int]) -> Backend:
+    """Conv and recurrent parts of every layer through `tile_copy`: the conv part as the source
+    transposed to the destination's shape (`[kernel - 1, channels]` or the reverse), the recurrent
+    part as `[heads x V, K]` rows, so that a state is split among programs by rows."""
+    pairs = list(zip(src, dst))
+    if not pairs:
+        return "torch"
+    backend = _backend(pairs[0][0].conv, pairs[0][1].conv)
+    if backend == "torch":
+        for s, d in pairs:
+            _copy_states(d, dst_at, s, src_at)
+    else:
+        zeros = [0] * len(dst_at)
+        jobs = torch.tensor([src_at, zeros, dst_at, zeros], dtype=torch.long).T
+        tile_copy([(s.conv.transpose(1, 2).unsqueeze(1), d.conv.unsqueeze(1)) for s, d in pairs]
+                  + [(_state_rows(s.recurrent), _state_rows(d.recurrent)) for s, d in pairs], jobs)
+    return backend
+
+
+def _state_rows(recurrent: torch.Tensor) -> torch.Tensor:
+    """`[n, heads, V, K]` as `[n, 1, heads x V, K]` (a view: each state's rows are contiguous)."""
+    return recurrent.view(recurrent.shape[0], 1, -1, recurrent.shape[-1])

@@ -36,9 +36,8 @@ from cachetier.config import Config
 from cachetier.engine.checkpoint_placement import PLACEMENTS
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob, WorkerReport
 from cachetier.vllm.kv_copy import (AttentionViews, StateViews, TokenRows, engine_attention_views,
-                                    engine_state_views, pool_attention_views, pool_state_views,
-                                    rows_to_engine, rows_to_pool, states_to_engine,
-                                    states_to_pool)
+                                    engine_state_views, finish_copies, load_rows, load_states,
+                                    pool_attention_views, pool_state_views, save_rows, save_states)
 from cachetier.vllm.ranks import Ranks
 from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
@@ -75,6 +74,7 @@ class ConnectorWorker:
         self.block_tokens = config.cache.page_tokens  # vLLM's block (the alignment rule)
         self._engine_attention: dict[int, list[AttentionViews]] = {}
         self._engine_state: dict[int, list[StateViews]] = {}
+        self._device = torch.device("cpu")  # the KV cache's, where the copies are queued
         self._mapping: _PoolMapping | None = None
         self._epoch = 0  # the pool epoch last seen: pins of an older one are void
         self._load_errors: set[int] = set()
@@ -82,6 +82,7 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self.config.model
+        self._device = next(iter(kv_caches.values())).device
         for g, (kind, names) in enumerate(zip(self.groups, self.layer_names)):
             tensors = [kv_caches[name] for name in names]
             if kind == "full":
@@ -142,22 +143,23 @@ class ConnectorWorker:
             self._report.restore_ms += 1000 * (time.perf_counter() - begin)
 
     def _copy_loads(self, mapping: _PoolMapping, jobs: Sequence[LoadJob]) -> None:
+        """Each group's rows and states for every job, one `kv_copy` call per group (on CUDA, one
+        kernel launch per word width for all its layers); done when it returns."""
         page_tokens, block_tokens = self.config.cache.page_tokens, self.block_tokens
         attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
         linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
         for a, g in enumerate(attention):
             rows = TokenRows.of([(job.local_tokens, job.hit_tokens, job.block_ids[g],
                                   job.mla_pages[a]) for job in jobs], block_tokens, page_tokens)
-            for pool_view, engine_view in zip(mapping.attention, self._engine_attention[g]):
-                rows_to_engine(pool_view, engine_view, rows)
+            load_rows(mapping.attention, self._engine_attention[g], rows)
         for s, g in enumerate(linear):
             pages, blocks = [], []
             for job in jobs:
                 for block in state_blocks(job.block_ids[g], job.hit_tokens, block_tokens):
                     pages.append(job.checkpoint_pages[s])
                     blocks.append(block)
-            for pool_view, engine_view in zip(mapping.state, self._engine_state[g]):
-                states_to_engine(pool_view, engine_view, pages, blocks)
+            load_states(mapping.state, self._engine_state[g], pages, blocks)
+        finish_copies(self._device)
 
     def _fail(self, jobs: Any) -> None:
         """Every block a failed load was to fill: vLLM recomputes from the first of them."""
@@ -259,21 +261,21 @@ class ConnectorWorker:
 
     def _copy_saves(self, mapping: _PoolMapping,
                     pairs: Sequence[tuple[SaveJob, RequestPlan]]) -> None:
+        """As `_copy_loads`, the other way; done when it returns, so inside the fence."""
         page_tokens, block_tokens = self.config.cache.page_tokens, self.block_tokens
         attention = [g for g, kind in enumerate(self.groups) if kind == "full"]
         linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]
         for a, g in enumerate(attention):
             rows = TokenRows.of([(plan.start, plan.stop, job.block_ids[g], plan.mla_pages[a])
                                  for job, plan in pairs], block_tokens, page_tokens)
-            for engine_view, pool_view in zip(self._engine_attention[g], mapping.attention):
-                rows_to_pool(engine_view, pool_view, rows)
+            save_rows(self._engine_attention[g], mapping.attention, rows)
         with_state = [(job, plan) for job, plan in pairs
                       if plan.checkpoint_pages and plan.checkpoint_tokens == job.boundary]
         for s, g in enumerate(linear):
             blocks = [job.state_blocks[s] for job, _ in with_state]
             pages = [plan.checkpoint_pages[s] for _, plan in with_state]
-            for engine_view, pool_view in zip(self._engine_state[g], mapping.state):
-                states_to_pool(engine_view, pool_view, blocks, pages)
+            save_states(self._engine_state[g], mapping.state, blocks, pages)
+        finish_copies(self._device)
 
     def _commit_item(self, job: SaveJob, plan: RequestPlan) -> CommitItem:
         if not plan.checkpoint_pages or plan.checkpoint_tokens != job.boundary:
