@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pickle
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +31,9 @@ from cachetier.vllm.kv_copy import pool_attention_views, pool_state_views
 from cachetier.vllm.oracle import compare
 from cachetier.vllm.tiny import write_tiny_qwen3_next
 from gpu_pool import PagedPool
-from index.hashing import chain_hashes, namespace_root
-from tests.vllm_harness import check_no_pins, request, run_engine, tokens, vllm_cluster
+from tests.vllm_fault_connector import KILL_PID_ENV
+from tests.vllm_harness import (check_no_pins, pinned_hit, request, run_engine, tokens,
+                                vllm_cluster)
 
 PAGE = 1152  # vLLM's attention block for the tiny model, the pool's page: where hits land
 SYSTEM = tokens(1, 1500)  # ends part-way through the second 1,152-token page
@@ -142,19 +140,6 @@ def test_no_pin_outlives_the_engines(served: dict[str, Any], cluster: Cluster) -
     check_no_pins(cluster)
 
 
-def _pinned(cluster: Cluster, info: Path, prompt: list[int]) -> Any:
-    details = json.loads(info.read_text())
-    hashes = chain_hashes(prompt, namespace_root(details["model_id"]),
-                          cluster.settings.config.cache.hash_block_tokens)
-
-    async def pin() -> Any:
-        async with CacheTierClient(cluster.service_url, token=details["token"]) as tier:
-            pinned = await tier.pin(POOL, "test-corrupt", len(prompt), hashes)
-            await tier.release(POOL, ["test-corrupt"])
-            return pinned
-    return asyncio.run(pin())
-
-
 def test_corrupted_pages_are_caught_by_the_oracle(served: dict[str, Any], cluster: Cluster,
                                                    model_dir: Path, info: Path) -> None:
     """Each of A's corruption prompts has its own checkpoint; damage one part of each (conv rows,
@@ -164,7 +149,7 @@ def test_corrupted_pages_are_caught_by_the_oracle(served: dict[str, Any], cluste
     pool = PagedPool.attach(pickle.loads(cluster.handle_file(0).read_bytes()))
     layout = pool.layout
     for name, prompt in CORRUPT.items():
-        pinned = _pinned(cluster, info, prompt)
+        pinned = pinned_hit(cluster, info, prompt)
         assert pinned.hit_tokens > 0, name
         noise = torch.Generator().manual_seed(len(name))
         if name == "attention":
@@ -205,23 +190,31 @@ def test_an_engine_unlike_the_pool_is_refused_with_every_difference_named(
     assert "block_size: engine 2304, pool page_tokens 1152" in failed.value.log
 
 
-def test_a_killed_agent_leaves_correct_outputs_and_no_pin(served: dict[str, Any],
-                                                         cluster: Cluster, model_dir: Path,
-                                                         info: Path) -> None:
-    """Last: the pool loses its only agent (SIGKILL); the service voids the pool on its Will, so
-    the engine's lookups find nothing, its saves are refused, and it recomputes: the outputs are
-    a fresh engine's and no request hangs or keeps a pin."""
+def test_an_agent_killed_during_a_load_leaves_correct_outputs_and_no_pin(
+        served: dict[str, Any], cluster: Cluster, model_dir: Path, info: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Last: the pool loses its only agent (SIGKILL) while an engine loads A's prefix of KILLED
+    from it (`tests.vllm_fault_connector`: after the pin, before the copy; the service voids
+    the pool on the agent's Will). The worker's epoch check after the copy reports a failed
+    receive, vLLM recomputes the request: its outputs are a fresh engine's, no request hangs
+    or keeps a pin. Before loads were asynchronous, this report (then block-level) stopped the
+    engine: vLLM 0.32 cannot map failed blocks to requests of a hybrid model."""
     agent = next(node for node in cluster.nodes if node.name == "agent-0")
-    os.kill(agent.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _pool_ranks(cluster, info):
-        time.sleep(0.1)
-    assert not _pool_ranks(cluster, info), "the service still counts the killed agent"
+    killing = json.loads(info.read_text())
+    killing["kv_transfer_config"].update(kv_connector="AgentKillingConnector",
+                                         kv_connector_module_path="tests.vllm_fault_connector")
+    killing_info = info.with_name("info-killing.json")
+    killing_info.write_text(json.dumps(killing))
+    monkeypatch.setenv(KILL_PID_ENV, str(agent.pid))
     after = run_engine(model_dir, served["workdir"]["path"], "killed",
-                       [[request("k-next", KILLED_NEXT)]], info=info)
+                       [[request("k-next", KILLED_NEXT)]], info=killing_info)
+    report = _report(after["k-next"])
+    # a hit was pinned and copied from, then found void: nothing counts as loaded
+    assert report["cachetier_hit_tokens"] > 0 and report["cachetier_loaded_tokens"] == 0, report
+    assert report["cachetier_failed_loads"] >= 1, report
     verdict = compare(after["k-next"], served["reference"]["k-next"])  # computed from scratch
     assert verdict.ok, verdict
-    assert _report(after["k-next"])["cachetier_loaded_tokens"] == 0
+    assert not _pool_ranks(cluster, info), "the service still counts the killed agent"
     check_no_pins(cluster)
 
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
-                                                               KVConnectorRole, SupportsHMA)
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults,
+                                                               SupportsHMA)
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from cachetier.config import Config
@@ -80,8 +82,13 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.save(self._metadata())
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The loads this step ended: a failed one is also ended, so its request leaves its wait
+        and vLLM recomputes it (`kv_load_failure_policy="recompute"`)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        ended, failed = self._worker.take_load_results()
+        return KVConnectorTransferResults(finished_recving=ended, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> WorkerReport | None:
         return self._worker.take_report() if self._worker is not None else None
@@ -106,6 +113,8 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, WorkerReport):
             self._scheduler.add_worker_report(report)
+        for rid in connector_output.failed_recving or ():
+            self._scheduler.load_failed(rid)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None

@@ -2,7 +2,10 @@
 
 A request's lookup is one `pin` call to the service (lookup and pin in one script): the
 scheduler never waits for it. The first `get_num_new_matched_tokens` submits it and answers None
-("ask again"); a later step reads the answer. The pin is held under the reader id
+("ask again"); a later step reads the answer. A hit is loaded asynchronously in vLLM's terms:
+the request waits for its receive (the worker copies in the step that follows), so a load found
+void is a failed receive vLLM recomputes, the one failure vLLM 0.32 recovers from for hybrid
+models. The pin is held under the reader id
 `<engine>/<request>` until vLLM reports the request finished (`request_finished_all_groups`), so
 nothing the worker reads can be evicted or rewritten before vLLM is done with it; a hit no deeper
 than vLLM's local one is released at once.
@@ -40,7 +43,6 @@ class _Tracked:
     hashes: bytes
     lookup: concurrent.futures.Future[PinnedPrefix] | None = None
     pinned: PinnedPrefix | None = None
-    load_local_tokens: int | None = None  # set once vLLM allocated blocks for a hit
     scheduled: bool = False  # once scheduled, a request is never loaded into again
     saved_boundary: int = 0
     report: dict[str, int] = field(default_factory=lambda: {"cachetier_hit_tokens": 0,
@@ -61,6 +63,7 @@ class ConnectorScheduler:
         self.groups = groups  # "linear" or "full" per vLLM group, in the engine's order
         self.tier = tier
         self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadJob] = []  # allocated since the last step's metadata
         self._roots: dict[tuple[str, str], bytes] = {}
         self.lookups = 0
         self.lookup_failures = 0
@@ -96,7 +99,7 @@ class ConnectorScheduler:
         if hit <= num_computed_tokens:
             self._release(tracked)
             return 0, False
-        return hit - num_computed_tokens, False
+        return hit - num_computed_tokens, True
 
     def _track(self, request: Any) -> _Tracked:
         tokens = list(request.all_token_ids)
@@ -113,18 +116,32 @@ class ConnectorScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         with self._timed():
-            self._allocated(request, num_external_tokens)
+            self._allocated(request, blocks, num_external_tokens)
 
-    def _allocated(self, request: Any, num_external_tokens: int) -> None:
+    def _allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
         if tracked is None or tracked.pinned is None:
             return
         if num_external_tokens > 0:
-            tracked.load_local_tokens = tracked.reader_hit - num_external_tokens
+            pinned = tracked.pinned
+            # vLLM has allocated the request's blocks up to the hit, and waits for the receive
+            self._loads.append(LoadJob(request.request_id, pinned.hit_tokens,
+                                       pinned.hit_tokens - num_external_tokens, pinned.epoch,
+                                       pinned.mla_pages, pinned.checkpoint_pages,
+                                       tuple(list(ids) for ids in blocks.get_block_ids())))
             tracked.report["cachetier_hit_tokens"] = tracked.reader_hit
             tracked.report["cachetier_loaded_tokens"] = num_external_tokens
         else:
             self._release(tracked)
+
+    def load_failed(self, rid: str) -> None:
+        """vLLM recomputes a request whose receive failed, asking about it again: its hit is
+        void (unpinned now), so the answer is a miss, not the same load over and over."""
+        with self._timed():
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                self._release(tracked)
+                tracked.report["cachetier_loaded_tokens"] = 0
 
     # -- each step -------------------------------------------------------------------------------
 
@@ -134,19 +151,12 @@ class ConnectorScheduler:
             return self._step_meta(scheduler_output)
 
     def _step_meta(self, scheduler_output: Any) -> CacheTierMetadata:
-        meta = CacheTierMetadata()
+        meta = CacheTierMetadata(loads=self._loads)
+        self._loads = []
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
-            if tracked is None:
-                continue
-            tracked.scheduled = True
-            if tracked.load_local_tokens is None or tracked.pinned is None:
-                continue
-            pinned = tracked.pinned
-            meta.loads.append(LoadJob(new.req_id, pinned.hit_tokens, tracked.load_local_tokens,
-                                      pinned.epoch, pinned.mla_pages, pinned.checkpoint_pages,
-                                      tuple(list(ids) for ids in new.block_ids)))
-            tracked.load_local_tokens = None
+            if tracked is not None:
+                tracked.scheduled = True
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is not None and block_state.boundary_state_offloads:
             meta.saves.extend(self._saves(block_state))

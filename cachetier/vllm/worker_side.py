@@ -6,7 +6,10 @@ network transfer of bytes. Only metadata crosses the network: a save is one plan
 the step (fresh pages for what the pool lacks, with the usual pins), the copies, one commit, its
 confirm and one release; a load checks the pool epoch it pinned in is still the pool's after its
 copies, so a hit made void while it was read (an agent lost, the pool invalidated) is reported to
-vLLM as failed blocks, which it recomputes, instead of serving bytes nobody vouches for.
+vLLM as a failed receive, which it recomputes, instead of serving bytes nobody vouches for.
+Loads are vLLM's asynchronous kind (the request waits for its receive, `take_load_results`):
+vLLM 0.32 recovers a failed load of a hybrid model only that way; a block-level failure
+(`get_block_ids_with_load_errors`) stops the engine when it has several KV cache groups.
 
 With tensor parallelism each rank's worker maps its own rank's agent (`ConnectorSettings.
 handle_file_of`) and copies its share of the heads; a step's saves are planned and committed once,
@@ -77,7 +80,8 @@ class ConnectorWorker:
         self._device = torch.device("cpu")  # the KV cache's, where the copies are queued
         self._mapping: _PoolMapping | None = None
         self._epoch = 0  # the pool epoch last seen: pins of an older one are void
-        self._load_errors: set[int] = set()
+        self._loads_ended: set[str] = set()  # request ids whose load ended, failed or not
+        self._loads_failed: set[str] = set()
         self._report = WorkerReport()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -140,6 +144,7 @@ class ConnectorWorker:
             log.warning("cachetier load failed, vLLM recomputes: %s", exc)
             self._fail(jobs)
         finally:
+            self._loads_ended.update(job.rid for job in meta.loads)
             self._report.restore_ms += 1000 * (time.perf_counter() - begin)
 
     def _copy_loads(self, mapping: _PoolMapping, jobs: Sequence[LoadJob]) -> None:
@@ -162,19 +167,17 @@ class ConnectorWorker:
         finish_copies(self._device)
 
     def _fail(self, jobs: Any) -> None:
-        """Every block a failed load was to fill: vLLM recomputes from the first of them."""
+        """Requests whose load vLLM must not trust: it recomputes them from their local hit."""
         for job in jobs:
-            self._report.failed_loads += 1
-            first = job.local_tokens // self.block_tokens
-            last = (job.hit_tokens - 1) // self.block_tokens
-            for g, ids in enumerate(job.block_ids):
-                wanted = (ids[first:last + 1] if self.groups[g] == "full"
-                          else state_blocks(ids, job.hit_tokens, self.block_tokens))
-                self._load_errors.update(block for block in wanted if block > 0)
+            if job.rid not in self._loads_failed:
+                self._report.failed_loads += 1
+                self._loads_failed.add(job.rid)
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def take_load_results(self) -> tuple[set[str], set[str]]:
+        """The requests whose load ended since the last call, and those of them that failed."""
+        ended, failed = self._loads_ended, self._loads_failed
+        self._loads_ended, self._loads_failed = set(), set()
+        return ended, failed
 
     def take_report(self) -> WorkerReport:
         report, self._report = self._report, WorkerReport()
