@@ -19,7 +19,7 @@ from typing import Any
 from cachetier.config import Config
 from cachetier.vllm.geometry import engine_args_for, model_fingerprint
 
-# A load the connector reports failed (`get_block_ids_with_load_errors`) is recomputed, never
+# A load the connector reports failed (a failed receive) is recomputed, never
 # failed: a void hit is a miss.
 CONNECTOR = {"kv_connector": "CacheTierConnector", "kv_connector_module_path": "cachetier.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}

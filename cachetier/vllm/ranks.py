@@ -6,7 +6,7 @@ operation: one plan (the pages every rank writes its share into) and one commit,
 share is written, or a restore would read a prefix some rank never saved. So the leader (rank 0)
 plans, the others receive its plan, and the leader commits only when every rank reports its
 copies done. Both go through vLLM's TP group on its CPU process group (gloo on every platform):
-loads need no agreement, each rank restores its share and reports its own failed blocks, which
+loads need no agreement, each rank restores its share and reports its own failed receives, which
 vLLM unites.
 """
 
