@@ -19,11 +19,9 @@ from typing import Any
 
 import pytest
 
-from cachetier.run.cluster import POOL, Cluster
-from cachetier.run.vllm_cluster import vllm_cluster_settings
+from cachetier.run.cluster import Cluster
 from cachetier.vllm.geometry import FINE_HASH_UNIT, engine_args_for
-from cachetier.vllm.info import connector_info, write_info
-from tests.vllm_harness import check_no_pins, request, run_engine, tokens
+from tests.vllm_harness import check_no_pins, request, run_engine, tokens, vllm_cluster
 
 P = tokens(100, 2500)  # its tail boundary, (2500 - 1) // 128 * 128 = 2,432, is no block end
 TAIL = 2432
@@ -37,14 +35,8 @@ B_STEPS = [[request("inside", INSIDE)], [request("crossing", CROSSING)],
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    run_dir = tmp_path_factory.mktemp("cluster")
-    settings = vllm_cluster_settings(model_dir, run_dir=run_dir, port=0, pool_pages=256,
-                                     hash_unit=FINE_HASH_UNIT)
-    with Cluster(settings) as running:
-        write_info(running.run_dir / "info.json",
-                   connector_info(service=running.service_url, token=running.client_token,
-                                  pool=POOL, handle_file=running.handle_file(0),
-                                  model_dir=model_dir, config=settings.config))
+    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=256,
+                      hash_unit=FINE_HASH_UNIT) as running:
         yield running
 
 

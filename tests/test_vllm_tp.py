@@ -18,14 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from cachetier.run.cluster import POOL, Cluster
-from cachetier.run.vllm_cluster import vllm_cluster_settings
+from cachetier.run.cluster import Cluster
 from cachetier.vllm.geometry import FINE_HASH_UNIT
-from cachetier.vllm.info import connector_info, write_info
 from cachetier.vllm.kv_copy import pool_attention_views, pool_state_views
 from cachetier.vllm.oracle import compare
 from gpu_pool import PagedPool
-from tests.vllm_harness import check_no_pins, pinned_hit, request, run_engine, tokens
+from tests.vllm_harness import (check_no_pins, pinned_hit, request, run_engine, tokens,
+                                vllm_cluster)
 
 TP = 2
 P = tokens(200, 2500)  # saved by A at its tail, (2500 - 1) // 128 * 128 = 2,432
@@ -39,14 +38,8 @@ ENGINE = {"tensor_parallel_size": TP}
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    run_dir = tmp_path_factory.mktemp("cluster")
-    settings = vllm_cluster_settings(model_dir, run_dir=run_dir, port=0, agents=TP,
-                                     pool_pages=256, hash_unit=FINE_HASH_UNIT)
-    with Cluster(settings) as running:
-        write_info(running.run_dir / "info.json",
-                   connector_info(service=running.service_url, token=running.client_token,
-                                  pool=POOL, handle_file=running.handle_file_pattern,
-                                  model_dir=model_dir, config=settings.config))
+    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=256, agents=TP,
+                      hash_unit=FINE_HASH_UNIT) as running:
         yield running
 
 
