@@ -26,7 +26,7 @@ import torch
 from cachetier.client import CacheTierClient
 from cachetier.run.cluster import POOL, Cluster
 from cachetier.vllm.engine_run import EngineFailed
-from cachetier.vllm.geometry import engine_args_for
+from cachetier.vllm.geometry import FINE_HASH_UNIT, engine_args_for
 from cachetier.vllm.kv_copy import pool_attention_views, pool_state_views
 from cachetier.vllm.oracle import compare
 from cachetier.vllm.tiny import write_tiny_qwen3_next
@@ -35,7 +35,8 @@ from tests.vllm_fault_connector import KILL_PID_ENV
 from tests.vllm_harness import (check_no_pins, pinned_hit, request, run_engine, tokens,
                                 vllm_cluster)
 
-PAGE = 1152  # vLLM's attention block for the tiny model, the pool's page: where hits land
+PAGE = 1152  # vLLM's attention block for the tiny model, the pool's page
+UNIT = FINE_HASH_UNIT  # the hash unit: vLLM keeps a state at each prompt's last UNIT boundary
 SYSTEM = tokens(1, 1500)  # ends part-way through the second 1,152-token page
 S1_T1 = SYSTEM + tokens(2, 1100)
 S1_T2 = S1_T1 + tokens(3, 700)
@@ -47,8 +48,8 @@ S2_T2 = S2_T1 + tokens(6, 600)
 CORRUPT = {name: tokens(10 + i, 2 * PAGE + 1)
            for i, name in enumerate(("conv", "recurrent", "attention"))}
 KILLED = tokens(20, 2500)
-# a continuation of A's s2t1 whose first chunk after the tier's hit (2,304) crosses two block ends
-# (3,456 and 4,608): vLLM's pass then runs in a later block than the hit's next one (a restore
+# a continuation of A's s2t1 whose first chunk after the tier's hit (its tail, 2,688) crosses two
+# block ends (3,456 and 4,608): vLLM's pass then runs in a later block than the hit's next one (a restore
 # into the next one only was 0.5 nats off by the 6th token here)
 S2_CROSSING = S2_T1 + tokens(7, 2000)
 
@@ -60,8 +61,8 @@ B_STEPS = [[request("s1t2-resend", S1_T2), request("s2t2", S2_T2)], [request("s1
 B_CHUNK = 512  # max_num_batched_tokens: prefill chunks smaller than a page
 KILLED_NEXT = KILLED + tokens(31, 300)
 # The reference engine: the connector's engine arguments without the connector (vLLM's own prefix
-# cache keyed by whole blocks, as the pool's), so it resumes where a cachetier hit does (a block
-# end) from a state it computed itself. vLLM's GDN state depends on where a prefill is cut, and
+# cache keyed by the pool's hash unit), so it resumes where a cachetier hit does (a block end or a
+# prompt's tail) from a state it computed itself. vLLM's GDN state depends on where a prefill is cut, and
 # the connector's "ask again" moves requests to other steps (other cuts), so outputs agree within
 # `cachetier.vllm.oracle`'s rounding tolerance, not bit for bit; a cold engine with prefix caching
 # off drifts further (by up to 0.36 nats on the first token, measured: `bench vllm` compares
@@ -101,6 +102,11 @@ def _report(result: dict[str, Any]) -> dict[str, int]:
     return result["connector"]
 
 
+def _tail(prompt: list[int]) -> int:
+    """The state vLLM keeps at a prompt's end: its last hash-unit boundary before the last token."""
+    return (len(prompt) - 1) // UNIT * UNIT
+
+
 def test_engine_b_serves_engine_a_prefixes_with_the_reference_outputs(
         served: dict[str, Any]) -> None:
     reference = served["reference"]
@@ -110,27 +116,25 @@ def test_engine_b_serves_engine_a_prefixes_with_the_reference_outputs(
             assert verdict.ok, f"engine {engine} {rid}: {verdict}"
     b = served["b"]
     # B started cold: what it restored of A's work came through the tier
-    for rid, prompt in (("s1t2-resend", S1_T2), ("s2t2", S2_T2)):
+    # resumed at the deepest boundary A kept: the resend at its own tail (3,200, inside a
+    # block), the fork's next turn past the shared system prompt at A's s2t1 tail (2,688)
+    for rid, boundary in (("s1t2-resend", _tail(S1_T2)), ("s2t2", _tail(S2_T1))):
         hit = _report(b[rid])["cachetier_hit_tokens"]
         assert _report(b[rid])["cachetier_loaded_tokens"] > 0, rid
-        # resumed at the deepest vLLM block end A kept, the documented boundary
-        assert hit == (len(prompt) - 1) // PAGE * PAGE, rid
+        assert hit == boundary, (rid, _report(b[rid]))
         assert b[rid]["num_cached_tokens"] >= hit
-    # the fork resumes past the shared system prompt, at A's s2t1 state
-    assert _report(b["s2t2"])["cachetier_hit_tokens"] > len(SYSTEM)
     # the later turn hits at least where the local cache alone would (B's own s1t2), and the
-    # resend of A's first turn is served by B's own cache now: no load, the same hit
-    assert b["s1t3"]["num_cached_tokens"] >= (len(S1_T2) - 1) // PAGE * PAGE
-    assert b["s1t1-resend"]["num_cached_tokens"] == (len(S1_T1) - 1) // PAGE * PAGE
+    # resend of A's first turn at its tail, which only A computed
+    assert b["s1t3"]["num_cached_tokens"] >= _tail(S1_T2)
+    assert b["s1t1-resend"]["num_cached_tokens"] == _tail(S1_T1), _report(b["s1t1-resend"])
 
 
 def test_saves_follow_vllm_boundary_states(served: dict[str, Any]) -> None:
     a = served["a"]
-    # every prompt crossing a vLLM block end beyond its hit saved it; s1t2 crosses none past
-    # s1t1's 2,304 (its next block end, 3,456, lies beyond its 3,300 tokens)
-    assert _report(a["s1t2"])["cachetier_saved_boundaries"] == 0
-    assert all(_report(r)["cachetier_saved_boundaries"] >= 1
-               for rid, r in a.items() if rid != "s1t2")
+    # every prompt saved a boundary state; s1t2 resumed at s1t1's tail (2,560) and crosses no
+    # block end (its next, 3,456, lies beyond its 3,300 tokens): it saved its tail alone
+    assert _report(a["s1t2"])["cachetier_saved_boundaries"] == 1, _report(a["s1t2"])
+    assert all(_report(r)["cachetier_saved_boundaries"] >= 1 for r in a.values())
     assert all(_report(r)["cachetier_loaded_tokens"] == 0 for r in (a["s1t1"], a["s2t1"]))
     # A's second turn restored nothing from the tier: vLLM's local cache served it
     assert a["s1t2"]["num_cached_tokens"] > 0
@@ -168,7 +172,7 @@ def test_corrupted_pages_are_caught_by_the_oracle(served: dict[str, Any], cluste
     # the control, in the same engine: an undamaged restore whose first chunk crosses block ends
     # gives the reference's outputs (it did not while only the hit's next block got the state)
     crossing = corrupt["s2-crossing"]
-    assert _report(crossing)["cachetier_loaded_tokens"] == (len(S2_T1) - 1) // PAGE * PAGE
+    assert _report(crossing)["cachetier_loaded_tokens"] == _tail(S2_T1)
     verdict = compare(crossing, served["reference"]["s2-crossing"])
     assert verdict.ok, f"s2-crossing: {verdict}"
     for name in CORRUPT:

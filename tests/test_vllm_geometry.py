@@ -39,15 +39,15 @@ def _engine_config(*, attention_dtype: torch.dtype = torch.bfloat16, kv_heads: i
 def test_the_pool_for_a_model_matches_its_engine(model_dir: Path) -> None:
     config = config_for_model(model_dir, num_pages=32)
     engine = model_spec_from_vllm(_engine_config(), tp_degree=1)
-    assert geometry_differences(config, engine, 1152, 1152) == []
+    assert geometry_differences(config, engine, 1152, 128) == []  # the default unit: tails
     assert attention_block_tokens(config.model) == 1152 == config.cache.page_tokens
     assert config.geometry.page_bytes == 294912  # vLLM's unified page, padding included
-    fine = config_for_model(model_dir, num_pages=32, hash_unit=128)
-    assert geometry_differences(fine, engine, 1152, 128) == []
+    whole_blocks = config_for_model(model_dir, num_pages=32, hash_unit=1152)
+    assert geometry_differences(whole_blocks, engine, 1152, 1152) == []
     with pytest.raises(GeometryMismatch, match="does not divide"):
         config_for_model(model_dir, num_pages=32, hash_unit=500)
     assert engine_args_for(config) == {
-        "enable_prefix_caching": True, "mamba_cache_mode": "align", "prefix_match_unit": 1152,
+        "enable_prefix_caching": True, "mamba_cache_mode": "align", "prefix_match_unit": 128,
         "block_size": 1152, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32",
         "tensor_parallel_size": 1}
 
@@ -63,7 +63,7 @@ def test_the_pool_for_a_model_matches_its_engine(model_dir: Path) -> None:
 def test_each_difference_is_named(model_dir: Path, change: dict, named: str) -> None:
     config = config_for_model(model_dir, num_pages=32)
     engine = model_spec_from_vllm(_engine_config(**change), tp_degree=1)
-    assert named in geometry_differences(config, engine, 1152, 1152)
+    assert named in geometry_differences(config, engine, 1152, 128)
 
 
 def test_block_and_hash_unit_differences_are_named(model_dir: Path) -> None:
@@ -71,7 +71,7 @@ def test_block_and_hash_unit_differences_are_named(model_dir: Path) -> None:
     engine = model_spec_from_vllm(_engine_config(), tp_degree=1)
     assert geometry_differences(config, engine, 2304, 256) == [
         "block_size: engine 2304, pool page_tokens 1152",
-        "prefix_match_unit: engine 256, pool hash_block_tokens 1152"]
+        "prefix_match_unit: engine 256, pool hash_block_tokens 128"]
 
 
 def test_a_two_rank_pool_matches_each_rank_of_a_two_rank_engine(model_dir: Path) -> None:
@@ -79,11 +79,11 @@ def test_a_two_rank_pool_matches_each_rank_of_a_two_rank_engine(model_dir: Path)
     unchanged (vLLM's two-rank engine chose 1,152 tokens too, seen here)."""
     config = config_for_model(model_dir, num_pages=32, tp_degree=2)
     rank = model_spec_from_vllm(_engine_config(tp=2), tp_degree=2)
-    assert geometry_differences(config, rank, 1152, 1152) == []
+    assert geometry_differences(config, rank, 1152, 128) == []
     assert config.cache.page_tokens == 1152 and config.geometry.page_bytes == 294912 // 2
     assert engine_args_for(config)["tensor_parallel_size"] == 2
     single = config_for_model(model_dir, num_pages=32)
-    assert geometry_differences(single, rank, 1152, 1152) == [
+    assert geometry_differences(single, rank, 1152, 128) == [
         "model.tp_degree: engine 2, pool 1"]
 
 

@@ -23,10 +23,12 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from cachetier.run.cluster import POOL, Cluster
 from cachetier.run.servers import free_port
+from cachetier.vllm.geometry import FINE_HASH_UNIT
 from cachetier.vllm.oracle import compare
 from tests.vllm_harness import ApiServer, check_no_pins, tokens, vllm_cluster
 
-PAGE = 1152  # the tiny model's vLLM attention block, the pool's page and hash block
+PAGE = 1152  # the tiny model's vLLM attention block, the pool's page
+UNIT = FINE_HASH_UNIT  # the pool's hash block (vLLM's prefix_match_unit)
 PROMPT = tokens(40, 2 * PAGE + 200)
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
@@ -64,10 +66,10 @@ def test_a_second_openai_server_serves_the_first_ones_prefix(
     stored = _stored(events, want=2)
     # the saved prefix as a router sees it: the attention chain, then the state checkpoint
     assert {(s.kv_cache_spec_kind, s.block_size, s.ownership) for s in stored} == {
-        ("full_attention", PAGE, f"cachetier/{POOL}"), ("mamba", PAGE, f"cachetier/{POOL}")}
+        ("full_attention", UNIT, f"cachetier/{POOL}"), ("mamba", UNIT, f"cachetier/{POOL}")}
     with ApiServer(model_dir, info, tmp_path / "b.log") as b:
         again = b.complete(PROMPT)
-    hit = (len(PROMPT) - 1) // PAGE * PAGE
+    hit = (len(PROMPT) - 1) // UNIT * UNIT  # the prompt's tail, inside its third block
     assert again["connector"]["cachetier_loaded_tokens"] == hit
     assert again["num_cached_tokens"] == hit
     verdict = compare(again, first)

@@ -1,4 +1,4 @@
-"""Prompt tails through the tier (`up --vllm-hash-unit 128`): bit for bit vLLM's own reuse.
+"""Prompt tails through the tier (its default 128-token hash unit): bit for bit vLLM's own reuse.
 
 With a 128-token hash unit vLLM keeps a state at each prompt's last 128-token boundary, inside
 its 1,152-token block, and the pool saves it with the block's first rows. Engine A serves a
@@ -35,8 +35,7 @@ B_STEPS = [[request("inside", INSIDE)], [request("crossing", CROSSING)],
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=256,
-                      hash_unit=FINE_HASH_UNIT) as running:
+    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=256) as running:
         yield running
 
 
@@ -54,7 +53,8 @@ def served(model_dir: Path, cluster: Cluster,
 
 def test_tail_restores_are_vllm_local_reuse_bit_for_bit(served: dict[str, Any]) -> None:
     b, reference = served["b"], served["reference"]
-    hits = {"inside": TAIL, "crossing": TAIL, "second-resend": (len(SECOND) - 1) // 128 * 128}
+    hits = {"inside": TAIL, "crossing": TAIL,
+            "second-resend": (len(SECOND) - 1) // FINE_HASH_UNIT * FINE_HASH_UNIT}
     for rid, hit in hits.items():
         report = b[rid]["connector"]
         assert report["cachetier_loaded_tokens"] == hit, rid  # B had nothing: all from the tier

@@ -38,8 +38,8 @@ ENGINE = {"tensor_parallel_size": TP}
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=256, agents=TP,
-                      hash_unit=FINE_HASH_UNIT) as running:
+    with vllm_cluster(model_dir, tmp_path_factory.mktemp("cluster"), pool_pages=256,
+                      agents=TP) as running:
         yield running
 
 
@@ -82,7 +82,8 @@ def test_a_two_rank_engine_restores_every_rank_share(served: dict[str, Any]) -> 
 def test_one_rank_damaged_share_is_caught(served: dict[str, Any]) -> None:
     a, b = served["a"], served["b"]
     report = b["c"]["connector"]
-    assert report["cachetier_loaded_tokens"] == (len(C) - 1) // 128 * 128, report
+    tail = (len(C) - 1) // FINE_HASH_UNIT * FINE_HASH_UNIT
+    assert report["cachetier_loaded_tokens"] == tail, report
     verdict = compare(b["c"], a["c"])
     assert verdict.outcome == "mismatch", f"c: rank 1's damaged share not caught ({verdict})"
 

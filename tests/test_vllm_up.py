@@ -20,7 +20,7 @@ from pathlib import Path
 import vllm
 from vllm.config import KVTransferConfig
 
-from cachetier.vllm.geometry import model_fingerprint
+from cachetier.vllm.geometry import FINE_HASH_UNIT, model_fingerprint
 
 
 def test_vllm_is_the_pinned_release() -> None:
@@ -53,7 +53,7 @@ def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir:
             assert Path(extra["handle_file"].replace("{rank}", str(rank))).exists()
         assert details["engine_args"]["tensor_parallel_size"] == 2
         assert details["engine_args"]["block_size"] == 1152
-        assert details["engine_args"]["prefix_match_unit"] == 1152
+        assert details["engine_args"]["prefix_match_unit"] == FINE_HASH_UNIT
         assert details["kv_events_endpoint"] == events
         pids = json.loads((run_dir / "pids.json").read_text())
         assert "vllm-events" in pids  # the bridge runs as a child of the cluster

@@ -47,13 +47,11 @@ def run_engine(model: Path, workdir: Path, name: str, steps: list[list[dict[str,
 
 @contextlib.contextmanager
 def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int,
-                 kv_events_endpoint: str | None = None, *, agents: int = 1,
-                 hash_unit: int | None = None) -> Iterator[Cluster]:
+                 kv_events_endpoint: str | None = None, *, agents: int = 1) -> Iterator[Cluster]:
     """`cachetier up --vllm-model`'s cluster for `model_dir` (`agents` ranks), with its info file
     written to `<run_dir>/info.json` (the path engines are given)."""
     settings = vllm_cluster_settings(model_dir, run_dir=run_dir, port=0, pool_pages=pool_pages,
-                                     kv_events_endpoint=kv_events_endpoint, agents=agents,
-                                     hash_unit=hash_unit)
+                                     kv_events_endpoint=kv_events_endpoint, agents=agents)
     with Cluster(settings) as running:
         write_info(running.run_dir / "info.json",
                    connector_info(service=running.service_url, token=running.client_token,

@@ -57,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="model directory (default: the tiny Qwen3-Next "
                                                    "with random weights, written to a temp dir)")
     parser.add_argument("--hash-unit", type=int, metavar="TOKENS",
-                        help="the hash unit (vLLM's prefix_match_unit): vLLM's attention block "
-                             f"(default) or a divisor of it, e.g. {FINE_HASH_UNIT} for prompt "
-                             "tails")
+                        help="the hash unit (vLLM's prefix_match_unit): a divisor of vLLM's "
+                             f"attention block (default {FINE_HASH_UNIT}, which serves prompt "
+                             "tails; the block itself keeps only block-end states)")
     parser.add_argument("--engine-blocks", type=int, metavar="N",
                         help="each engine's KV cache in blocks (vLLM's num_gpu_blocks_override), "
                              "the same with and without the connector; default: vLLM's sizing "

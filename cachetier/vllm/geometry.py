@@ -34,7 +34,7 @@ from typing import Any
 from cachetier.config import DTYPE_BYTES, CacheSpec, Config, ModelSpec
 from cachetier.hf_config import hf_model_fields
 
-FINE_HASH_UNIT = 128  # the finest hash unit served: prompt tails at 128-token boundaries
+FINE_HASH_UNIT = 128  # the default hash unit: prompt tails restored at 128-token boundaries
 SSM_STATE_DTYPE = "float32"  # vLLM keeps the GDN recurrent state in float32 (pinned below)
 _KERNEL_BLOCK_BASE = 128  # the smallest attention block vLLM's CPU and CUDA backends both accept
 
@@ -61,7 +61,8 @@ def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 
                      hash_unit: int | None = None, tp_degree: int = 1) -> Config:
     """The pool configuration for a GDN + GQA model served by vLLM with `engine_args_for` on
     `tp_degree` ranks (one agent per rank, each pool page one rank's share of a block); the
-    hash unit is vLLM's attention block unless given (`FINE_HASH_UNIT` for prompt tails)."""
+    hash unit is `FINE_HASH_UNIT` unless given (any divisor of vLLM's block; the block itself
+    keeps only block-end states, and serves less of each prompt)."""
     fields = hf_model_fields(Path(model_dir) / "config.json")
     if fields["linear_kind"] != "gdn":
         raise GeometryMismatch(f"{model_dir}: only Gated DeltaNet + GQA models (Qwen3-Next, "
@@ -69,7 +70,7 @@ def config_for_model(model_dir: str | Path, *, num_pages: int, max_batch: int = 
     fields["kda_state_dtype"] = SSM_STATE_DTYPE
     model = ModelSpec(**fields, tp_degree=tp_degree)
     block = attention_block_tokens(model)
-    unit = hash_unit or block
+    unit = hash_unit or FINE_HASH_UNIT
     if unit <= 0 or block % unit:
         raise GeometryMismatch(f"hash unit {unit} does not divide vLLM's {block}-token block")
     cache = CacheSpec(hash_block_tokens=unit, page_tokens=block, page_alignment=128,
