@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachetier.config import (PRESETS, ConfigError, add_config_arguments, config_from_args,
                               load_config)
+from cachetier.event_loops import DEFAULT_LOOP, LOOPS, run_on
 from cachetier.wire.framing import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         from cachetier.run.nodes import MetricsListen
         metrics = MetricsListen(args.metrics_host, args.metrics_port, _announce_metrics)
     return _run_until_signal(run_service(settings, _announce_listening, args.mqtt, metrics),
-                             args.log_level)
+                             args.log_level, args.loop)
 
 
 def _announce_listening(url: str) -> None:
@@ -177,7 +178,7 @@ def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
         max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen,
         torch_threads=args.torch_threads)
-    return _run_until_signal(run_agent(settings, args.mqtt), args.log_level)
+    return _run_until_signal(run_agent(settings, args.mqtt), args.log_level, args.loop)
 
 
 def _secret(args: argparse.Namespace, name: str, variable: str, required: bool = True) -> str:
@@ -224,9 +225,10 @@ def registry_names(text: str, flag: str, kind: str, registry: Sequence[str], *,
     return names
 
 
-def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str) -> int:
-    """Run `main` until it returns or SIGTERM/SIGINT cancels it, which is a clean stop (0);
-    an error it ends with is printed (1)."""
+def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str,
+                      loop: str = DEFAULT_LOOP) -> int:
+    """Run `main` on the event loop `loop` until it returns or SIGTERM/SIGINT cancels it, which
+    is a clean stop (0); an error it ends with is printed (1)."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -241,7 +243,7 @@ def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str) -> int:
             pass  # a signal: the clean way out
 
     try:
-        asyncio.run(until_signal())
+        run_on(loop, until_signal())
     except Exception as exc:
         print(f"cachetier: {exc}", file=sys.stderr)
         return 1
@@ -249,12 +251,15 @@ def _run_until_signal(main: Coroutine[Any, Any, None], log_level: str) -> int:
 
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    """What `serve` and `agent` share: the broker, the frame limit and logging."""
+    """What `serve` and `agent` share: the broker, the frame limit, logging and the event loop."""
     parser.add_argument("--mqtt", metavar="URL",
                         help="mqtt://HOST:PORT of the broker for cache events and liveness")
     parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
                         help="largest frame accepted (default 64 MiB)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument("--loop", default=DEFAULT_LOOP, choices=LOOPS,
+                        help=f"the asyncio event loop (default {DEFAULT_LOOP}; compare them with "
+                             "`bench service --loops asyncio,uvloop`)")
 
 
 def _add_serve_parser(commands: Any) -> None:
@@ -462,8 +467,8 @@ def _add_up_parser(commands: Any) -> None:
                          "kv_transfer_config, engine_args), removed on stop")
     up.add_argument("--vllm-hash-unit", type=int, metavar="TOKENS",
                     help="with --vllm-model: the hash unit (vLLM's prefix_match_unit; default "
-                         "vLLM's attention block, where restores are bit-exact; 128 also serves "
-                         "prompt tails)")
+                         "128, which serves prompt tails; any divisor of vLLM's attention block, "
+                         "e.g. the block itself)")
     up.add_argument("--redis-cluster", nargs="?", const="3x2", metavar="MASTERSxREPLICAS",
                     help="a local Redis Cluster instead of one redis-server (default 3x2: three "
                          "shards of a master and two replicas; a new cluster per run)")

@@ -1,6 +1,7 @@
 """`cachetier bench service --quick` end to end through the CLI, against the tests' redis-server:
 a service and an in-process CPU agent, steps through the service next to the index called
-directly, and a short throughput run, batched and (`--unbatched`) not."""
+directly, and a short throughput run, batched and (`--unbatched`) not, on one event loop or on
+each of two (`--loops`)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,29 @@ def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureF
     assert all_keys(redis_url) == before                       # a shared server is left as found
 
 
+def test_both_event_loops_in_one_run(capsys: pytest.CaptureFixture[str], redis_url: str) -> None:
+    code, out, err = bench(capsys, "--json", "--quick", "--loops", "asyncio,uvloop",
+                           "--redis", redis_url)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["event_loop"] == "asyncio"  # the first loop's figures lead
+    loops = result["loops"]
+    assert list(loops) == ["asyncio", "uvloop"]
+    assert loops["asyncio"]["throughput_steps_per_s"] == result["throughput_steps_per_s"]
+    assert all(figures["throughput_steps_per_s"] > 0 and set(figures["service_p50_us"]) ==
+               {"1x1024", "4x1024"} for figures in loops.values())
+    assert result["uvloop_speedup"] == pytest.approx(
+        loops["uvloop"]["throughput_steps_per_s"] / loops["asyncio"]["throughput_steps_per_s"],
+        rel=2e-2)
+    assert "event loop uvloop" in err
+
+
 @pytest.mark.parametrize("flags, field", [(["--tokens", "1000"], "--tokens"),
                                           (["--tokens", "512"], "--tokens"),
                                           (["--batches", "0"], "--batches"),
-                                          (["--clients", "0"], "--clients")])
+                                          (["--clients", "0"], "--clients"),
+                                          (["--loops", "tokio"], "--loops"),
+                                          (["--loops", "uvloop,uvloop"], "--loops")])
 def test_bad_sizes_are_refused_before_any_work(capsys: pytest.CaptureFixture[str],
                                                flags: list[str], field: str) -> None:
     code, _, err = bench(capsys, "--quick", "--redis", "redis://127.0.0.1:1", *flags)

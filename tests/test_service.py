@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, ErrorInfo, PeerClosed, RemoteError
+from cachetier.event_loops import LOOPS
 from cachetier.events.cache_events import AllBlocksCleared, BlockStored, EventSubscriber
 from cachetier.events.liveness import LivenessWatcher
 from cachetier.run.nodes import run_agent, run_service
@@ -444,17 +445,19 @@ def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
             proc.stdout.close()
 
 
-async def test_cli_serve_and_agent_end_to_end(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+async def test_cli_serve_and_agent_end_to_end(tmp_path, loop):
+    """On each event loop `--loop` offers: serving, copies, and a clean stop on SIGTERM."""
     handle_file = tmp_path / "pool.handle"
     with RedisServer() as redis_server:
         (tmp_path / "secret").write_text(SECRET + "\n")  # compose's way: a secret file
         serve = cli("serve", "--redis", redis_server.url, "--listen", "tcp://127.0.0.1:0",
-                    "--preset", "tiny", "--secret-file", str(tmp_path / "secret"))
+                    "--preset", "tiny", "--secret-file", str(tmp_path / "secret"), "--loop", loop)
         agent = None
         try:
             url = (await read_reply(serve, r"listening on (\S+)"))[1]
             agent = cli("agent", "--service", url, "--pool", "p", "--handle-file", str(handle_file),
-                        CACHETIER_TOKEN=agent_token())
+                        "--loop", loop, CACHETIER_TOKEN=agent_token())
             await wait_for_file(handle_file, agent)
             handle = pickle.loads(handle_file.read_bytes())
             worker = Worker(PagedPool.attach(handle))

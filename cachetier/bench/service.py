@@ -23,7 +23,9 @@ the plan alone. The service batches the plans that arrive for the pool while a s
 through a second replica of the service that plans every step alone (the same agents serve both)
 and reports it as `unbatched`, with `batching_speedup` (steps/s) and `batching_plan_p50_ratio`.
 Everything (clients, services, agents) shares this process's event loop, and redis-server runs
-next to it on the same machine.
+next to it on the same machine. `--loops asyncio,uvloop` runs the whole benchmark on each event
+loop in turn (`cachetier.event_loops`) and reports `loops` side by side and `uvloop_speedup`
+(batched steps/s).
 
 Geometry: the kimi-k3 preset's cache geometry (512-token hash blocks, 6144-token pages, so the
 plan script does the work of the real deployment) with a model shrunk to small pages (one layer
@@ -55,6 +57,7 @@ from cachetier.bench.lookup import (Case, add_case_arguments, build_cases, confi
 from cachetier.client import CacheTierClient
 from cachetier.config import Config, ConfigError, config_from_args, load_config
 from cachetier.credentials import Principal, Role, issue
+from cachetier.event_loops import DEFAULT_LOOP, LOOPS, run_on
 from cachetier.service.server import CacheTierService, ServiceSettings
 from gpu_pool.agent import Agent, AgentSettings
 from index.hashing import chain_hashes, namespace_root
@@ -340,7 +343,36 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
             "throughput_min_client_steps": min(counts)}
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark on each event loop of `--loops` in turn (a fresh loop, Redis pool and
+    service each): the first one's figures, and with several, `loops` side by side."""
+    from cachetier.cli import registry_names
+
+    names = registry_names(args.loops, "--loops", "event loop", LOOPS)
+    runs = {}
+    for name in names:
+        progress(f"event loop {name}")
+        runs[name] = {**run_on(name, run_once(args)), "event_loop": name}
+    result = runs[names[0]]
+    if len(names) > 1:
+        result["loops"] = {name: _loop_figures(figures) for name, figures in runs.items()}
+        if {"uvloop", "asyncio"} <= runs.keys():
+            result["uvloop_speedup"] = round(runs["uvloop"]["throughput_steps_per_s"]
+                                             / runs["asyncio"]["throughput_steps_per_s"], 2)
+    return result
+
+
+def _loop_figures(figures: dict[str, Any]) -> dict[str, Any]:
+    """What one event loop's run measured, for the side-by-side `loops`."""
+    kept = {key: figures[key] for key in ("throughput_steps_per_s", "throughput_plan_p50_us")}
+    kept["service_p50_us"] = {f"{c['batch']}x{c['tokens']}": c["service_p50_us"]
+                              for c in figures["cases"]}
+    if "unbatched" in figures:
+        kept["unbatched_steps_per_s"] = figures["unbatched"]["steps_per_s"]
+    return kept
+
+
+async def run_once(args: argparse.Namespace) -> dict[str, Any]:
     base = bench_config(args)
     cases = service_cases(args)
     clients = args.clients if args.clients is not None else (
@@ -462,5 +494,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unbatched", action="store_true",
                         help="also run the throughput through a replica that plans every step "
                              "alone (batch_tick_s 0), in the same run, and report both")
+    parser.add_argument("--loops", default=DEFAULT_LOOP, metavar="NAME[,NAME]",
+                        help=f"the event loops to run on, in turn, in one run ({', '.join(LOOPS)}; "
+                             f"default {DEFAULT_LOOP}, the service's): the first one's figures, "
+                             "and `loops` side by side")
     parser.add_argument("--quick", action="store_true",
                         help="one small prompt, small batches, few steps: a smoke run for tests")
