@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                        MambaSpec)
+                                        MambaSpec, MLAAttentionSpec)
 
 from cachetier.vllm.geometry import (GeometryMismatch, attention_block_tokens, config_for_model,
                                      engine_args_for, geometry_differences, model_spec_from_vllm)
@@ -92,6 +92,17 @@ def test_an_engine_without_linear_attention_is_refused() -> None:
     full_only = dataclasses.replace(full_only, kv_cache_groups=full_only.kv_cache_groups[3:])
     with pytest.raises(GeometryMismatch, match="not GDN state \\+ full attention"):
         model_spec_from_vllm(full_only, tp_degree=1)
+
+
+def test_an_mla_engine_is_refused_by_name() -> None:
+    """vLLM's MLA spec subclasses its full-attention one: without the check, a Kimi Linear
+    engine's 576-wide latent would read as one GQA head and the refusal would name the wrong
+    fields."""
+    mla = MLAAttentionSpec(block_size=1152, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    config = _engine_config()
+    config.kv_cache_groups[3] = KVCacheGroupSpec(["model.layers.3.self_attn.attn"], mla)
+    with pytest.raises(GeometryMismatch, match="attention is MLA"):
+        model_spec_from_vllm(config, tp_degree=1)
 
 
 def test_connector_settings_name_the_bad_key() -> None:

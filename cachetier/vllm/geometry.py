@@ -99,8 +99,12 @@ def engine_args_for(config: Config) -> dict[str, Any]:
 
 def model_spec_from_vllm(kv_cache_config: Any, tp_degree: int) -> ModelSpec:
     """The `ModelSpec` an engine's `KVCacheConfig` describes (GDN + GQA groups only)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
+    if any(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in kv_cache_config.kv_cache_groups):
+        # an MLA spec is a FullAttentionSpec too: read as GQA, its latent would pass for one head
+        raise GeometryMismatch("the engine's attention is MLA (a KDA + MLA model, Kimi Linear): "
+                               "only Gated DeltaNet + GQA models are served through vLLM here")
     linear = [g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
     full = [g for g in kv_cache_config.kv_cache_groups
             if isinstance(g.kv_cache_spec, FullAttentionSpec)]
