@@ -452,11 +452,18 @@ class ReferenceIndex:
 
     # -- commit.lua ---------------------------------------------------------------------------
     async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
+        (result,) = await self.commit_groups([items])
+        return result
+
+    async def commit_groups(self, groups: Sequence[Sequence[CommitItem]]) -> list[CommitResult]:
+        """Every item of every group checked first (one bad item refuses the call), then each
+        group committed in order under a ticket of its own; all `removed` go to the first."""
+        items = [item for group in groups for item in group]
         self._check_size(items)
         self._check_epoch()
-        if not items:
+        if not groups or not all(groups):
             raise BadRequest("empty commit")
-        reqs, seen = [], set()
+        reqs, seen = {}, set()
         for item in items:
             if item.rid in seen:
                 raise BadRequest(f"request {item.rid} appears twice in the commit")
@@ -465,32 +472,38 @@ class ReferenceIndex:
             if r is None:
                 raise UnknownEntity(f"unknown request {item.rid}")
             self._check_commit(item, r)
-            reqs.append(r)
-        ticket, removed, out = self.s.ticket + 1, [], []
-        for item, r in zip(items, reqs):
-            for pend in [p for p in r["pend"] if p["unpin"] >= 0]:
-                self._unpin(pend["unpin"])
-            r["pend"] = [p for p in r["pend"] if p["unpin"] < 0]
-            blob = b"\0" * (r["hoff"] * self.HL) + self.s.reqh[item.rid]
-            p = {"t": ticket, "fills": {}, "unpin": -1, "ck": -1, "ckh": b""}
-            first = r["reg"]
-            count = self._register_endpoints(item.rid, r, blob, item.stop // self.B, p["fills"])
-            stored = [self._h(blob, i) for i in range(first + 1, r["reg"] + 1)]
-            parent = self._h(blob, first) if first > 0 else None
-            state = "none"
-            if item.checkpoint_tokens > 0:
-                state = self._register_checkpoint(item.rid, r, blob, item.checkpoint_tokens // self.B,
-                                                  item.checkpoint_class, p, ticket, removed)
-            elif r["ck"] >= 0:
-                self._free_set(self.s.pages[r["ck"]])
-                r["ck"] = -1
-            if item.stop == r["tokens"]:
-                self._settle_restored(r, blob)
-            r["pend"].append(p)
-            r["pos"] = r["stop"] = item.stop
-            r["tix"].append(ticket)
-            out.append(CommittedRequest(item.rid, count, state, stored, parent, p["ckh"] or None))
-        return CommitResult(self._new_ticket([i.rid for i in items]), out, removed)
+            reqs[item.rid] = r
+        first, removed = self.s.ticket + 1, []
+        committed = [[self._commit_item(item, reqs[item.rid], first + g, removed) for item in group]
+                     for g, group in enumerate(groups)]
+        return [CommitResult(self._new_ticket([i.rid for i in group]), out,
+                             removed if g == 0 else [])
+                for g, (group, out) in enumerate(zip(groups, committed))]
+
+    def _commit_item(self, item: CommitItem, r: dict[str, Any], ticket: int,
+                     removed: list[Removal]) -> CommittedRequest:
+        for pend in [p for p in r["pend"] if p["unpin"] >= 0]:
+            self._unpin(pend["unpin"])
+        r["pend"] = [p for p in r["pend"] if p["unpin"] < 0]
+        blob = b"\0" * (r["hoff"] * self.HL) + self.s.reqh[item.rid]
+        p = {"t": ticket, "fills": {}, "unpin": -1, "ck": -1, "ckh": b""}
+        first = r["reg"]
+        count = self._register_endpoints(item.rid, r, blob, item.stop // self.B, p["fills"])
+        stored = [self._h(blob, i) for i in range(first + 1, r["reg"] + 1)]
+        parent = self._h(blob, first) if first > 0 else None
+        state = "none"
+        if item.checkpoint_tokens > 0:
+            state = self._register_checkpoint(item.rid, r, blob, item.checkpoint_tokens // self.B,
+                                              item.checkpoint_class, p, ticket, removed)
+        elif r["ck"] >= 0:
+            self._free_set(self.s.pages[r["ck"]])
+            r["ck"] = -1
+        if item.stop == r["tokens"]:
+            self._settle_restored(r, blob)
+        r["pend"].append(p)
+        r["pos"] = r["stop"] = item.stop
+        r["tix"].append(ticket)
+        return CommittedRequest(item.rid, count, state, stored, parent, p["ckh"] or None)
 
     def _check_commit(self, item: CommitItem, r: dict[str, Any]) -> None:
         if r["stop"] == r["pos"]:
@@ -613,11 +626,22 @@ class ReferenceIndex:
 
     # -- confirm.lua --------------------------------------------------------------------------
     async def confirm(self, ticket: int) -> int:
-        """A ticket's counter and nonce must both be those issued (index.tickets)."""
-        number, _ = split(ticket)
-        self._check_epoch()
-        if ticket not in self.s.tix:
+        (count,) = await self.confirm_many([ticket])
+        if count is None:
             raise UnknownEntity(f"unknown ticket {ticket}")
+        return count
+
+    async def confirm_many(self, tickets: Sequence[int]) -> list[int | None]:
+        """A ticket's counter and nonce must both be those issued (index.tickets); an unknown
+        one confirms nothing (None) and the others are confirmed all the same, in order."""
+        self._check_size(tickets)
+        self._check_epoch()
+        if not tickets:
+            raise BadRequest("no ticket to confirm")
+        return [self._confirm_one(ticket) if ticket in self.s.tix else None for ticket in tickets]
+
+    def _confirm_one(self, ticket: int) -> int:
+        number, _ = split(ticket)
         count = 0
         for rid in self.s.tix.pop(ticket):
             r = self.s.req.get(rid)

@@ -25,7 +25,8 @@ from redis.asyncio import Redis
 
 from cachetier.config import Config
 from eviction.policy import EvictionWeights, lru
-from index.errors import BadRequest, StaleEpoch, StorageLost, StorageRollback, UnknownPool
+from index.errors import (BadRequest, StaleEpoch, StorageLost, StorageRollback, UnknownEntity,
+                          UnknownPool)
 from index.execution import ReplicaAcks
 from index.hashing import hash_len
 from index.identity import PoolView
@@ -141,17 +142,42 @@ class PrefixIndex:
     async def confirm(self, ticket: int) -> int:
         """Returns how many of the ticket's requests were still active; a ticket this pool did
         not issue in its current epoch (a guess, another epoch's or life's) is `UnknownEntity`."""
-        return (await self._call("confirm", list(split(ticket))))["requests"]
+        (count,) = await self.confirm_many([ticket])
+        if count is None:
+            raise unknown_ticket(ticket)
+        return count
+
+    async def confirm_many(self, tickets: Sequence[int]) -> list[int | None]:
+        """Several tickets in one call, confirmed in order as one `confirm` each would be: per
+        ticket, how many of its requests were still active, or None for an unknown one (which
+        confirms nothing and fails none of the others)."""
+        self._check_size(tickets)
+        reply = await self._call("confirm", [part for t in tickets for part in split(t)])
+        return [None if count < 0 else count for count in _list(reply["requests"])]
 
     async def commit(self, items: Sequence[CommitItem]) -> CommitResult:
-        self._check_size(items)
+        (result,) = await self.commit_groups([items])
+        return result
+
+    async def commit_groups(self, groups: Sequence[Sequence[CommitItem]]) -> list[CommitResult]:
+        """Several callers' commits in one call: each group gets its own ticket and its own
+        requests, as if committed one after the other in order (the `removed` of all go to the
+        first); any bad item refuses the whole call, as one commit of them all would be."""
+        self._check_size([item for group in groups for item in group])
         batch = [{"rid": i.rid, "stop": i.stop, "ckpt_tokens": i.checkpoint_tokens,
-                  "kind": i.checkpoint_class} for i in items]
-        reply = await self._call("commit", [_pack(batch), self.nonce()])
-        return CommitResult(
-            ticket=compose(reply["ticket"], reply["nonce"]),
-            requests=[self._committed(r) for r in _list(reply["requests"])],
-            removed=_removals(reply["removed"]))
+                  "kind": i.checkpoint_class, **({"g": g} if g > 1 else {})}
+                 for g, group in enumerate(groups, 1) for i in group]
+        nonces = [self.nonce() for _ in groups]
+        reply = await self._call("commit", [_pack(batch), *nonces])
+        self.ticket = max(self.ticket, reply["ticket"] + len(groups) - 1)
+        committed = [self._committed(r) for r in _list(reply["requests"])]
+        results, at = [], 0
+        for g, (group, nonce) in enumerate(zip(groups, nonces)):
+            results.append(CommitResult(ticket=compose(reply["ticket"] + g, nonce),
+                                        requests=committed[at:at + len(group)],
+                                        removed=_removals(reply["removed"]) if g == 0 else []))
+            at += len(group)
+        return results
 
     def _committed(self, r: dict[str, Any]) -> CommittedRequest:
         stored = r["stored"]
@@ -320,6 +346,12 @@ class PrefixIndex:
     def _check_size(self, items: Sequence[object]) -> None:
         if len(items) > self.config.cache.max_batch:
             raise BadRequest(f"batch of {len(items)} exceeds max_batch {self.config.cache.max_batch}")
+
+
+def unknown_ticket(ticket: int) -> UnknownEntity:
+    """What `confirm` raises for a ticket the pool does not hold (`confirm_many`'s None)."""
+    return UnknownEntity(f"unknown ticket {ticket} (already confirmed, the pool was invalidated, "
+                         "or never issued)")
 
 
 def _ms(seconds: float) -> int:

@@ -177,18 +177,35 @@ class Driver:
 
     async def commit(self, items: list[CommitItem]):
         result = await self.index.commit(items)
-        self.tickets[result.ticket] = [i.rid for i in items]
+        self._forward_writes(items, result.ticket)
+        return result
+
+    async def commit_groups(self, groups: list[list[CommitItem]]):
+        results = await self.index.commit_groups(groups)
+        for items, result in zip(groups, results):
+            self._forward_writes(items, result.ticket)
+        return results
+
+    def _forward_writes(self, items: list[CommitItem], ticket: int) -> None:
+        """The forward pass's writes of a commit, on the device once `ticket` is confirmed."""
+        self.tickets[ticket] = [i.rid for i in items]
         for item in items:
             plan = self.plans[item.rid]
             write = forward_write(self.bytes, plan, self.tokens[item.rid], item.stop,
                                   item.checkpoint_tokens, self.page_tokens)
-            self.bytes.defer(item.rid, result.ticket, write)
-        return result
+            self.bytes.defer(item.rid, ticket, write)
 
     async def confirm(self, ticket: int) -> int:
         count = await self.index.confirm(ticket)
         self.bytes.settle(self.tickets.pop(ticket, []), ticket)
         return count
+
+    async def confirm_many(self, tickets: list[int]) -> list[int | None]:
+        counts = await self.index.confirm_many(tickets)
+        for ticket, count in zip(tickets, counts):
+            if count is not None:
+                self.bytes.settle(self.tickets.pop(ticket, []), ticket)
+        return counts
 
     async def release(self, rids: list[str]):
         result = await self.index.release(rids)

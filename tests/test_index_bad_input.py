@@ -128,6 +128,12 @@ async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
                                                 "kind": "turn"}]), *nonce)
         with pytest.raises(BadRequest):
             await raw(warm, "confirm", 1, *nonce)
+    turn = {"rid": "mid", "stop": 8, "ckpt_tokens": 0, "kind": "turn"}
+    for groups in ([{**turn, "g": 2}], [{**turn, "g": 0}], [{**turn, "g": "1"}], [turn]):
+        with pytest.raises(BadRequest):  # out of order, or the second group left empty
+            await raw(warm, "commit", packed(groups), NONCE, NONCE)
+    with pytest.raises(BadRequest):
+        await raw(warm, "confirm", *[1, NONCE] * (CONFIG.cache.max_batch + 1))
     with pytest.raises(BadRequest):
         await raw(warm, "release", packed([1, 2]))
     with pytest.raises(BadRequest):

@@ -218,6 +218,49 @@ class IndexMachine(RuleBasedStateMachine):
             self.status[item.rid] = "done" if done else "committed"
 
     @rule(data=st.data())
+    def commit_together(self, data) -> None:
+        """Several callers' commits in one call (the service's merged commits): each group
+        its own ticket, as if committed one after the other."""
+        planned = sorted(rid for rid, s in self.status.items() if s == "planned")
+        if len(planned) < 2:
+            return
+        rids = data.draw(st.lists(st.sampled_from(planned), min_size=2, unique=True))
+        cuts = sorted(data.draw(st.sets(st.integers(1, len(rids) - 1), min_size=1)))
+        block = self.config.cache.hash_block_tokens
+        items = []
+        for rid in rids:
+            plan = self.real.plans[rid]
+            stop = data.draw(st.integers(plan.start + 1, plan.stop))
+            ck = stop // block * block
+            with_ck = bool(plan.checkpoint_pages) and ck > plan.start and data.draw(st.booleans())
+            items.append(CommitItem(rid, stop, ck if with_ck else 0,
+                                    kind=data.draw(st.sampled_from(COMMIT_KINDS))))
+        groups = [items[a:b] for a, b in zip([0, *cuts], [*cuts, len(items)])]
+        results = self.both("commit_groups", groups)
+        if isinstance(results, type):
+            return
+        assert len({r.ticket for r in results}) == len(groups)
+        for group, result in zip(groups, results):
+            assert [r.rid for r in result.requests] == [i.rid for i in group]
+            self.tickets.append(result.ticket)
+            for item in group:
+                done = item.stop == len(self.real.tokens[item.rid])
+                self.status[item.rid] = "done" if done else "committed"
+
+    @rule(data=st.data())
+    def confirm_together(self, data) -> None:
+        """Several tickets in one call, an unknown or repeated one among them failing none of
+        the others."""
+        if not self.tickets:
+            return
+        tickets = data.draw(st.lists(st.sampled_from(self.tickets), min_size=1, max_size=4))
+        if data.draw(st.booleans(), label="an unknown ticket too"):
+            tickets.insert(data.draw(st.integers(0, len(tickets))), 10**9)
+        for ticket in set(tickets) & set(self.tickets):
+            self.tickets.remove(ticket)
+        self.both("confirm_many", tickets)
+
+    @rule(data=st.data())
     def confirm(self, data) -> None:
         if self.tickets:
             ticket = data.draw(st.sampled_from(self.tickets))

@@ -1,4 +1,5 @@
-"""Concurrent plans of one pool share one plan script call (`cachetier.service.batching`).
+"""Concurrent plans of one pool share one plan script call (`cachetier.service.batching`); so do
+concurrent commits, confirms and releases.
 
 Through a real service, agent and Redis: the plan script calls are counted by wrapping the
 service's `PrefixIndex.plan_step` of the pool (the call still goes to Redis). The timing and the
@@ -21,7 +22,8 @@ from cachetier.errors import RemoteError
 from cachetier.service.batching import PlanCoalescer
 from cachetier.service.server import CacheTierService, ServiceSettings
 from index.lifecycle import RequestLifecycle
-from index.records import ReleaseResult, RequestPlan, StepPlan, StepRefusal, StepRequest
+from index.records import (CommitItem, ReleaseResult, RequestPlan, StepPlan, StepRefusal,
+                           StepRequest)
 from index.store import pool_keys
 from tests.cluster_harness import (BLOCK, SECRET, TINY, TOKEN, assert_no_pins, eventually,
                                    running_agent, running_service)
@@ -195,6 +197,85 @@ async def test_concurrent_releases_share_one_script_call_and_get_their_own_resul
         assert [(r.released, r.unknown) for r in results] == [(2, []), (1, ["gone"]), (1, [])]
         twice = await asyncio.gather(*(tiers[n].release("p", ["r2.1", "r3.1"]) for n in (2, 3)))
         assert sorted(r.released for r in twice) == [0, 2] and sizes == [2, 5, 2, 2]
+    finally:
+        for tier in tiers:
+            await tier.close()
+    await assert_no_pins(redis)
+
+
+def held_calls(index: object, name: str, sizes: list[list[int]]) -> asyncio.Event:
+    """Wraps `index.<name>` (commit_groups or confirm_many, which the single calls go through
+    too): each call's sizes (items per group, or one per ticket) recorded, the first one held
+    after its script ran until the returned event is set."""
+    call = getattr(index, name)
+    first_done = asyncio.Event()
+
+    async def counted(batch):
+        sizes.append([len(group) for group in batch] if name == "commit_groups" else [1] * len(batch))
+        result = await call(batch)
+        if len(sizes) == 1:
+            await first_done.wait()
+        return result
+
+    setattr(index, name, counted)
+    return first_done
+
+
+def count_merged(service: CacheTierService) -> None:
+    """The pool's coalescers call the index's merged calls bound when the pool was set up: send
+    them through the wrappers of `held_calls` too."""
+    state = service._pools["p"]
+    state.commits._run_groups = state.index.commit_groups  # type: ignore[union-attr]
+    state.confirms._run_many = state.index.confirm_many  # type: ignore[union-attr]
+
+
+async def test_concurrent_commits_and_confirms_share_one_script_call_each(batching, redis):
+    """Each caller keeps a ticket of its own: confirming it settles its own writes, so a hit on
+    its prefix comes after its own confirm, not a neighbour's; an unknown ticket or a bad commit
+    fails its own caller only (a merged commit the index refuses runs per caller)."""
+    service, index = batching.service, batching.service._pools["p"].index
+    tiers = await clients(service.url, 5)
+    commits: list[list[int]] = []
+    confirms: list[list[int]] = []
+    try:
+        batching.first_done.set()
+        plans = [await tiers[n].plan("p", [new_request(f"k{n}.{k}", prompt(20 * n + k), 100, BLOCK)
+                                           for k in range(n % 2 + 1)]) for n in range(4)]
+        commit_done = held_calls(index, "commit_groups", commits)
+        confirm_done = held_calls(index, "confirm_many", confirms)
+        count_merged(service)
+        items = [[commit_item(r, r.stop, True, True, BLOCK) for r in plan.requests]
+                 for plan in plans]
+        first = asyncio.create_task(tiers[0].commit("p", items[0]))
+        await asyncio.sleep(0.01)
+        rest = await asyncio.gather(*(tiers[n].commit("p", items[n]) for n in range(1, 4)),
+                                    tiers[4].commit("p", [CommitItem("never-planned", 50, 0)]),
+                                    return_exceptions=True)
+        commit_done.set()
+        done = [await first, *rest[:3]]
+        # the first alone; one call of four groups, refused whole (the unknown request); then
+        # each of the four alone
+        assert commits == [[1], [2, 1, 2, 1], [2], [1], [2], [1]]
+        assert isinstance(rest[3], RemoteError)
+        assert len({d.ticket for d in done}) == 4
+        for n, result in enumerate(done):
+            assert [r.rid for r in result.requests] == [r.rid for r in plans[n].requests]
+        first = asyncio.create_task(tiers[0].confirm("p", done[0].ticket))
+        await asyncio.sleep(0.01)
+        counts = await asyncio.gather(tiers[1].confirm("p", done[1].ticket),
+                                      tiers[2].confirm("p", 10**9),
+                                      tiers[3].confirm("p", done[3].ticket),
+                                      return_exceptions=True)
+        confirm_done.set()
+        assert await first == 1 and confirms == [[1], [1, 1, 1]]
+        assert counts[0] == 2 and counts[2] == 2 and isinstance(counts[1], RemoteError)
+        for n, prompt_of in ((1, prompt(20)), (2, prompt(40))):  # confirmed, not confirmed
+            probe = await tiers[n].plan("p", [new_request(f"probe{n}", prompt_of, 100, BLOCK)])
+            assert (probe.requests[0].hit_tokens > 0) == (n == 1), n
+            await tiers[n].release("p", [f"probe{n}"])
+        assert await tiers[2].confirm("p", done[2].ticket) == 1
+        for n, plan in enumerate(plans):
+            await tiers[n].release("p", [r.rid for r in plan.requests])
     finally:
         for tier in tiers:
             await tier.close()

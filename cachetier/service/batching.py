@@ -1,4 +1,4 @@
-"""One script call for the plans (or releases) that concurrent callers send one pool at once.
+"""One script call for the plans (commits, confirms, releases) concurrent callers send one pool.
 
 Under many clients a step's cost is mostly fixed (a script call, its reply, a copy batch per
 rank, a confirm), so `PlanCoalescer` gathers the plans that arrive for a pool while one of its
@@ -7,14 +7,17 @@ step: one plan script, one copy batch per rank, one confirm. Each caller gets ba
 requests' plans (and the merged step's one ticket, confirmed already); the step's evictions
 (`evicted`, `removed`) go to its first caller only, so counted over callers they are counted
 once. A plan that arrives for an idle pool is sent at once: a lone caller waits for nothing, and
-a caller under load at most the tick. `ReleaseCoalescer` does the same for releases.
+a caller under load at most the tick. `CommitCoalescer`, `ConfirmCoalescer` and
+`ReleaseCoalescer` do the same for commits (each caller keeps a ticket of its own), confirms
+and releases.
 
 A plan script is all-or-nothing, so one caller must not fail the others: when the merged step is
 refused or the index rejects it (a bad or duplicate request, a continuing request of an old
 epoch), every caller's plan is run again on its own, and each gets the answer it would have got
 alone. A failure after the plan script (a copy, an agent, the confirm) failed the step for all:
 its requests are released and every caller gets that retryable error, as it would alone.
-Releases naming one rid in two callers, or a merged release that fails, run per caller too.
+Releases naming one rid in two callers, or a merged release that fails, run per caller too;
+so do merged commits and confirms the index rejects.
 
 A caller that goes away (cancelled) before its batch is sent is dropped from it; one that goes
 away after has its requests released here once the step is planned, so nothing stays pinned.
@@ -30,12 +33,18 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from index.errors import CacheIndexError, StaleEpoch
-from index.records import ReleaseResult, StepPlan, StepRefusal, StepRequest
+from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
+                           StepRequest)
+from index.store import unknown_ticket
 
 logger = logging.getLogger("cachetier.service.batching")
 Outcome = StepPlan | StepRefusal
 PlanCall = Callable[[Sequence[StepRequest]], Awaitable[Outcome]]
 ReleaseCall = Callable[[Sequence[str]], Awaitable[ReleaseResult]]
+CommitCall = Callable[[Sequence[CommitItem]], Awaitable[CommitResult]]
+GroupCommitCall = Callable[[Sequence[Sequence[CommitItem]]], Awaitable[list[CommitResult]]]
+ConfirmCall = Callable[[Sequence[int]], Awaitable[int]]  # one ticket: its count
+ManyConfirmCall = Callable[[Sequence[int]], Awaitable[list[int | None]]]
 Item = TypeVar("Item")
 Out = TypeVar("Out")
 
@@ -183,6 +192,59 @@ class PlanCoalescer(_Coalescer[StepRequest, Outcome]):
             pass  # invalidated meanwhile: the pins are void already
         except Exception:  # noqa: BLE001 - nobody waits for this answer: say it here
             logger.exception("releasing the requests of a caller that left failed")
+
+
+class CommitCoalescer(_Coalescer[CommitItem, CommitResult]):
+    """Commits: one commit script for every caller's items, each caller a group of its own
+    (`PrefixIndex.commit_groups`: its own ticket, so confirming it settles its own writes only,
+    and its own requests); `removed` goes to the first. A merged commit the index rejects (one
+    caller's bad item refuses the whole call, which then wrote nothing) runs per caller, so each
+    gets the answer it would have got alone."""
+
+    def __init__(self, run: CommitCall, run_groups: GroupCommitCall, tick_s: float,
+                 max_batch: int) -> None:
+        super().__init__(run, tick_s, max_batch)
+        self._run_groups = run_groups
+
+    async def _merged(self, callers: list[_Caller[CommitItem, CommitResult]]) -> None:
+        try:
+            results = await self._run_groups([c.items for c in callers])
+        except CacheIndexError:
+            await self._each_alone(callers)
+            return
+        except Exception as exc:
+            for caller in callers:
+                _settle(caller.answer, exc)
+            return
+        for caller, result in zip(callers, results):
+            self._deliver(caller, result)
+
+
+class ConfirmCoalescer(_Coalescer[int, int]):
+    """Confirms (one ticket per caller): one confirm script for every caller's ticket, in order
+    (`PrefixIndex.confirm_many`); a caller whose ticket is unknown gets `UnknownEntity`, as
+    alone, and the others their counts. A merged call the index refuses runs per caller."""
+
+    def __init__(self, run: ConfirmCall, run_many: ManyConfirmCall, tick_s: float,
+                 max_batch: int) -> None:
+        super().__init__(run, tick_s, max_batch)
+        self._run_many = run_many
+
+    async def _merged(self, callers: list[_Caller[int, int]]) -> None:
+        try:
+            counts = await self._run_many([ticket for c in callers for ticket in c.items])
+        except CacheIndexError:  # e.g. a stale epoch: each alone runs it again
+            await self._each_alone(callers)
+            return
+        except Exception as exc:
+            for caller in callers:
+                _settle(caller.answer, exc)
+            return
+        for caller, count in zip(callers, counts):
+            if count is None:
+                _settle(caller.answer, unknown_ticket(caller.items[0]))
+            else:
+                self._deliver(caller, count)
 
 
 class ReleaseCoalescer(_Coalescer[str, ReleaseResult]):

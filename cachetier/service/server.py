@@ -38,7 +38,8 @@ from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError,
                               ErrorInfo, HandshakeRequired, LimitExceeded, StorageFull,
                               VersionMismatch, error_info)
 from cachetier.service import access
-from cachetier.service.batching import PlanCoalescer, ReleaseCoalescer
+from cachetier.service.batching import (CommitCoalescer, ConfirmCoalescer, PlanCoalescer,
+                                        ReleaseCoalescer)
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.limits import ClientQuota, ServiceLimits, check_size
@@ -60,7 +61,8 @@ from index.identity import PoolView
 from index.lifecycle import RequestLifecycle
 from index.placement import ShardPlacement
 from index.prefix import PinnedPrefix
-from index.records import CommitResult, ReleaseResult, StepPlan, StepRefusal, StepRequest
+from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
+                           StepRequest)
 from index.redis_link import (RedisClient, RedisTarget, WriteNotAcknowledged, is_full,
                               is_transient)
 from index.redis_link import close as close_redis
@@ -131,6 +133,8 @@ class _Pool:
     config: Config
     recovery: PoolRecovery
     plans: PlanCoalescer | None = None  # None: `batch_tick_s` is 0
+    commits: CommitCoalescer | None = None
+    confirms: ConfirmCoalescer | None = None
     releases: ReleaseCoalescer | None = None
 
 
@@ -223,7 +227,7 @@ class CacheTierService:
         await asyncio.gather(*self._connections, *self._losses, return_exceptions=True)
         for state in self._pools.values():
             await state.recovery.close()
-            for coalescer in (state.plans, state.releases):
+            for coalescer in (state.plans, state.commits, state.confirms, state.releases):
                 if coalescer is not None:
                     await coalescer.close()
         if self._redis is not None:
@@ -490,6 +494,10 @@ class CacheTierService:
             tick, most = self.settings.batch_tick_s, config.cache.max_batch
             state.plans = PlanCoalescer(functools.partial(self._plan_now, state), index.release,
                                         tick, most)
+            state.commits = CommitCoalescer(functools.partial(_commit_now, index),
+                                            index.commit_groups, tick, most)
+            state.confirms = ConfirmCoalescer(functools.partial(_confirm_now, index),
+                                              index.confirm_many, tick, most)
             state.releases = ReleaseCoalescer(functools.partial(_release_now, index), tick, most)
         return state
 
@@ -559,13 +567,18 @@ class CacheTierService:
 
     async def _commit(self, msg: Commit) -> CommitResult:
         state = await self._known_pool(msg.pool)
-        result = await _retry_if_stale(functools.partial(state.index.commit, msg.items))
+        if state.commits is None:
+            result = await _commit_now(state.index, msg.items)
+        else:
+            result = await state.commits.submit(msg.items)
         self.observer.committed(msg.pool, result)
         return result
 
     async def _confirm(self, msg: Confirm) -> int:
         state = await self._known_pool(msg.pool)
-        return await _retry_if_stale(functools.partial(state.index.confirm, msg.ticket))
+        if state.confirms is None:
+            return await _confirm_now(state.index, [msg.ticket])
+        return await state.confirms.submit([msg.ticket])
 
     async def _release(self, msg: Release) -> ReleaseResult:
         state = await self._known_pool(msg.pool)
@@ -654,6 +667,16 @@ async def _acknowledged(call: Callable[[], Awaitable[T]], tries: int = 5) -> T:
         except WriteNotAcknowledged:
             logger.warning("an epoch bump was not acknowledged by a replica: sent again")
     return await call()
+
+
+async def _commit_now(index: PrefixIndex, items: Sequence[CommitItem]) -> CommitResult:
+    return await _retry_if_stale(functools.partial(index.commit, items))
+
+
+async def _confirm_now(index: PrefixIndex, tickets: Sequence[int]) -> int:
+    """One caller's confirm (its one ticket), as `ConfirmCoalescer` runs it alone."""
+    (ticket,) = tickets
+    return await _retry_if_stale(functools.partial(index.confirm, ticket))
 
 
 async def _release_now(index: PrefixIndex, rids: Sequence[str]) -> ReleaseResult:

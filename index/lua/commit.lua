@@ -6,9 +6,12 @@
 --           ckpt_tokens = boundary whose state was written to the planned checkpoint pages
 --           (a multiple of the hash block inside (start, stop]) or 0,
 --           kind = the checkpoint's class, one of COMMIT_KINDS (eviction.policy CheckpointKind)}
--- ARGV[3] - the new ticket's nonce (lib.lua `check_nonce`)
+-- ARGV[3..] - the new tickets' nonces (lib.lua `check_nonce`), one per group of items: an item's
+--           optional `g` (default 1) names its group, groups in order, none empty. Group g gets
+--           ticket `ticket + g - 1`, so several callers' commits share one call and each keeps a
+--           ticket of its own, as if committed one after the other in group order.
 -- returns msgpack {ticket, nonce, requests = {{rid, endpoints, ckpt, stored, parent, ckh}},
---           removed}:
+--           removed} (`ticket` and `nonce`: the first group's):
 --           `stored` is the chain of block hashes this commit processed (registered here or
 --           already present), `parent` the hash before it ("" at the namespace root), `ckh` the
 --           checkpoint registered ("" if none): what cache-event consumers are told was stored.
@@ -32,14 +35,23 @@
 
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
-local nonce = check_nonce(ARGV[3])
+local nonces = {}
+for i = 3, #ARGV do nonces[i - 2] = check_nonce(ARGV[i]) end
+if #nonces == 0 then fail("BADINPUT", "a commit needs a ticket nonce") end
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 if #batch == 0 then fail("BADINPUT", "empty commit") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 
-local reqs, seen = {}, {}
+local reqs, seen, group_rids = {}, {}, {}
 for n, item in ipairs(batch) do
   if type(item) ~= "table" or type(item.rid) ~= "string" then fail("BADINPUT", "each commit needs a string rid") end
+  item.g = item.g or 1
+  local open = #group_rids  -- the groups begun so far: an item stays in the last or begins the next
+  if not is_int(item.g, math.max(open, 1), math.min(open + 1, #nonces)) then
+    fail("BADINPUT", item.rid .. ": group " .. tostring(item.g) .. " out of order (groups 1 to "
+         .. #nonces .. ", in order, none empty)")
+  end
+  if item.g > open then group_rids[item.g] = {} end
   if seen[item.rid] then fail("BADINPUT", "request " .. item.rid .. " appears twice in the commit") end
   seen[item.rid] = true
   local r = get_req(item.rid)
@@ -60,8 +72,10 @@ for n, item in ipairs(batch) do
   end
   reqs[n] = r
 end
+if #group_rids ~= #nonces then fail("BADINPUT", "a commit group without items") end
 
-local ticket = m.ticket + 1
+local first_ticket = m.ticket + 1
+local ticket = first_ticket  -- the ticket of the item being registered
 local removed = {}
 
 -- Hang an owned page under its chain: the parent is whatever page holds the previous page-end,
@@ -183,9 +197,10 @@ local function drop_restore_pins(r)
   r.pend = keep
 end
 
-local out, rids = {}, {}
+local out = {}
 for n, item in ipairs(batch) do
   local r = reqs[n]
+  ticket = first_ticket + item.g - 1
   drop_restore_pins(r)
   local blob = redis.call("HGET", K_REQH, item.rid)
   local function hash_at(i) return block_hash(blob, HL, i - r.hoff) end
@@ -206,10 +221,11 @@ for n, item in ipairs(batch) do
   r.pos, r.stop = item.stop, item.stop
   r.tix[#r.tix + 1] = ticket
   put_req(item.rid, r)
-  rids[n] = item.rid
+  local group = group_rids[item.g]
+  group[#group + 1] = item.rid
   out[n] = {rid = item.rid, endpoints = count, ckpt = ck_state, stored = stored, parent = parent,
             ckh = p.ckh}
 end
-new_ticket(m, rids, nonce)
+for g, rids in ipairs(group_rids) do new_ticket(m, rids, nonces[g]) end
 save_meta(m)
-return reply({ticket = ticket, nonce = nonce, requests = out, removed = removed})
+return reply({ticket = first_ticket, nonce = nonces[1], requests = out, removed = removed})
