@@ -47,6 +47,7 @@ ConfirmCall = Callable[[Sequence[int]], Awaitable[int]]  # one ticket: its count
 ManyConfirmCall = Callable[[Sequence[int]], Awaitable[list[int | None]]]
 Item = TypeVar("Item")
 Out = TypeVar("Out")
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -127,6 +128,19 @@ class _Coalescer(abc.ABC, Generic[Item, Out]):
     async def _merged(self, callers: list[_Caller[Item, Out]]) -> None:
         """Run the callers' items as one call and give each its own share of the answer."""
 
+    async def _shared(self, callers: list[_Caller[Item, Out]], call: Awaitable[T]) -> T | None:
+        """The merged call's answer, or None once the callers are answered here: each alone
+        when the index rejected the call (all-or-nothing, so it wrote nothing), or every caller
+        the error it failed with otherwise, as each would have got it."""
+        try:
+            return await call
+        except CacheIndexError:
+            await self._each_alone(callers)
+        except Exception as exc:
+            for caller in callers:
+                _settle(caller.answer, exc)
+        return None
+
     async def _each_alone(self, callers: list[_Caller[Item, Out]]) -> None:
         await asyncio.gather(*(self._answer(c, self._run(c.items)) for c in callers))
 
@@ -154,16 +168,11 @@ class PlanCoalescer(_Coalescer[StepRequest, Outcome]):
         self._abandoned: set[asyncio.Task[None]] = set()
 
     async def _merged(self, callers: list[_Caller[StepRequest, Outcome]]) -> None:
-        outcome: Outcome | None
-        try:
-            outcome = await self._run([r for c in callers for r in c.items])
-        except CacheIndexError:  # e.g. a rid twice across callers; nothing was pinned
-            outcome = None
-        except Exception as exc:
-            for caller in callers:
-                _settle(caller.answer, exc)
+        # rejected, e.g. a rid twice across callers: nothing was pinned
+        outcome = await self._shared(callers, self._run([r for c in callers for r in c.items]))
+        if outcome is None:
             return
-        if not isinstance(outcome, StepPlan):
+        if isinstance(outcome, StepRefusal):  # the merged step is too big for the pool
             await self._each_alone(callers)
             return
         by_rid = {r.rid: r for r in outcome.requests}
@@ -207,16 +216,8 @@ class CommitCoalescer(_Coalescer[CommitItem, CommitResult]):
         self._run_groups = run_groups
 
     async def _merged(self, callers: list[_Caller[CommitItem, CommitResult]]) -> None:
-        try:
-            results = await self._run_groups([c.items for c in callers])
-        except CacheIndexError:
-            await self._each_alone(callers)
-            return
-        except Exception as exc:
-            for caller in callers:
-                _settle(caller.answer, exc)
-            return
-        for caller, result in zip(callers, results):
+        results = await self._shared(callers, self._run_groups([c.items for c in callers]))
+        for caller, result in zip(callers, results or []):
             self._deliver(caller, result)
 
 
@@ -231,16 +232,9 @@ class ConfirmCoalescer(_Coalescer[int, int]):
         self._run_many = run_many
 
     async def _merged(self, callers: list[_Caller[int, int]]) -> None:
-        try:
-            counts = await self._run_many([ticket for c in callers for ticket in c.items])
-        except CacheIndexError:  # e.g. a stale epoch: each alone runs it again
-            await self._each_alone(callers)
-            return
-        except Exception as exc:
-            for caller in callers:
-                _settle(caller.answer, exc)
-            return
-        for caller, count in zip(callers, counts):
+        # rejected, e.g. a stale epoch: each alone runs it again
+        counts = await self._shared(callers, self._run_many([t for c in callers for t in c.items]))
+        for caller, count in zip(callers, counts or []):
             if count is None:
                 _settle(caller.answer, unknown_ticket(caller.items[0]))
             else:

@@ -35,6 +35,7 @@
 
 local m = load_meta(ARGV[1])
 local batch = unpack_arg(ARGV[2], "batch")
+if #ARGV - 2 > m.max_batch then fail("BADINPUT", "more commit groups than max_batch " .. m.max_batch) end
 local nonces = {}
 for i = 3, #ARGV do nonces[i - 2] = check_nonce(ARGV[i]) end
 if #nonces == 0 then fail("BADINPUT", "a commit needs a ticket nonce") end
