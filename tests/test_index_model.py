@@ -194,38 +194,8 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             self.both("release", [rid])
 
-    @rule(data=st.data())
-    def commit(self, data) -> None:
-        planned = sorted(rid for rid, s in self.status.items() if s == "planned")
-        if not planned:
-            return
-        block = self.config.cache.hash_block_tokens
-        items = []
-        for rid in data.draw(st.lists(st.sampled_from(planned), min_size=1, unique=True)):
-            plan = self.real.plans[rid]
-            stop = data.draw(st.integers(plan.start + 1, plan.stop))
-            ck = stop // block * block
-            with_ck = bool(plan.checkpoint_pages) and ck > plan.start and data.draw(st.booleans())
-            kind = data.draw(st.none() | st.sampled_from(COMMIT_KINDS))
-            durable = kind is None and data.draw(st.booleans())
-            items.append(CommitItem(rid, stop, ck if with_ck else 0, durable, kind))
-        result = self.both("commit", items)
-        if isinstance(result, type):  # refused whole (more than max_batch): nothing changed
-            return
-        self.tickets.append(result.ticket)
-        for item in items:
-            done = item.stop == len(self.real.tokens[item.rid])
-            self.status[item.rid] = "done" if done else "committed"
-
-    @rule(data=st.data())
-    def commit_together(self, data) -> None:
-        """Several callers' commits in one call (the service's merged commits): each group
-        its own ticket, as if committed one after the other."""
-        planned = sorted(rid for rid, s in self.status.items() if s == "planned")
-        if len(planned) < 2:
-            return
-        rids = data.draw(st.lists(st.sampled_from(planned), min_size=2, unique=True))
-        cuts = sorted(data.draw(st.sets(st.integers(1, len(rids) - 1), min_size=1)))
+    def draw_commit(self, data, rids: list[str]) -> list[CommitItem]:
+        """A commit item per planned request: a stop inside its plan, a checkpoint or not."""
         block = self.config.cache.hash_block_tokens
         items = []
         for rid in rids:
@@ -233,8 +203,42 @@ class IndexMachine(RuleBasedStateMachine):
             stop = data.draw(st.integers(plan.start + 1, plan.stop))
             ck = stop // block * block
             with_ck = bool(plan.checkpoint_pages) and ck > plan.start and data.draw(st.booleans())
-            items.append(CommitItem(rid, stop, ck if with_ck else 0,
-                                    kind=data.draw(st.sampled_from(COMMIT_KINDS))))
+            kind = data.draw(st.none() | st.sampled_from(COMMIT_KINDS))
+            durable = kind is None and data.draw(st.booleans())
+            items.append(CommitItem(rid, stop, ck if with_ck else 0, durable, kind))
+        return items
+
+    def committed(self, items: list[CommitItem], ticket: int) -> None:
+        self.tickets.append(ticket)
+        for item in items:
+            done = item.stop == len(self.real.tokens[item.rid])
+            self.status[item.rid] = "done" if done else "committed"
+
+    def planned(self) -> list[str]:
+        return sorted(rid for rid, s in self.status.items() if s == "planned")
+
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        planned = self.planned()
+        if not planned:
+            return
+        items = self.draw_commit(data, data.draw(st.lists(st.sampled_from(planned), min_size=1,
+                                                          unique=True)))
+        result = self.both("commit", items)
+        if isinstance(result, type):  # refused whole (more than max_batch): nothing changed
+            return
+        self.committed(items, result.ticket)
+
+    @rule(data=st.data())
+    def commit_together(self, data) -> None:
+        """Several callers' commits in one call (the service's merged commits): each group
+        its own ticket, as if committed one after the other."""
+        planned = self.planned()
+        if len(planned) < 2:
+            return
+        items = self.draw_commit(data, data.draw(st.lists(st.sampled_from(planned), min_size=2,
+                                                          unique=True)))
+        cuts = sorted(data.draw(st.sets(st.integers(1, len(items) - 1), min_size=1)))
         groups = [items[a:b] for a, b in zip([0, *cuts], [*cuts, len(items)])]
         results = self.both("commit_groups", groups)
         if isinstance(results, type):
@@ -242,10 +246,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert len({r.ticket for r in results}) == len(groups)
         for group, result in zip(groups, results):
             assert [r.rid for r in result.requests] == [i.rid for i in group]
-            self.tickets.append(result.ticket)
-            for item in group:
-                done = item.stop == len(self.real.tokens[item.rid])
-                self.status[item.rid] = "done" if done else "committed"
+            self.committed(group, result.ticket)
 
     @rule(data=st.data())
     def confirm_together(self, data) -> None:

@@ -211,7 +211,8 @@ def held_calls(index: object, name: str, sizes: list[list[int]]) -> asyncio.Even
     first_done = asyncio.Event()
 
     async def counted(batch):
-        sizes.append([len(group) for group in batch] if name == "commit_groups" else [1] * len(batch))
+        grouped = name == "commit_groups"
+        sizes.append([len(group) for group in batch] if grouped else [1] * len(batch))
         result = await call(batch)
         if len(sizes) == 1:
             await first_done.wait()

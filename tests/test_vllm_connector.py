@@ -49,8 +49,8 @@ CORRUPT = {name: tokens(10 + i, 2 * PAGE + 1)
            for i, name in enumerate(("conv", "recurrent", "attention"))}
 KILLED = tokens(20, 2500)
 # a continuation of A's s2t1 whose first chunk after the tier's hit (its tail, 2,688) crosses two
-# block ends (3,456 and 4,608): vLLM's pass then runs in a later block than the hit's next one (a restore
-# into the next one only was 0.5 nats off by the 6th token here)
+# block ends (3,456 and 4,608): vLLM's pass then runs in a later block than the hit's next one (a
+# restore into the next one only was 0.5 nats off by the 6th token here)
 S2_CROSSING = S2_T1 + tokens(7, 2000)
 
 A_STEPS = [[request("s1t1", S1_T1), request("s2t1", S2_T1)], [request("s1t2", S1_T2)],
@@ -62,11 +62,11 @@ B_CHUNK = 512  # max_num_batched_tokens: prefill chunks smaller than a page
 KILLED_NEXT = KILLED + tokens(31, 300)
 # The reference engine: the connector's engine arguments without the connector (vLLM's own prefix
 # cache keyed by the pool's hash unit), so it resumes where a cachetier hit does (a block end or a
-# prompt's tail) from a state it computed itself. vLLM's GDN state depends on where a prefill is cut, and
-# the connector's "ask again" moves requests to other steps (other cuts), so outputs agree within
-# `cachetier.vllm.oracle`'s rounding tolerance, not bit for bit; a cold engine with prefix caching
-# off drifts further (by up to 0.36 nats on the first token, measured: `bench vllm` compares
-# with it).
+# prompt's tail) from a state it computed itself. vLLM's GDN state depends on where a prefill is
+# cut, and the connector's "ask again" moves requests to other steps (other cuts), so outputs
+# agree within `cachetier.vllm.oracle`'s rounding tolerance, not bit for bit; a cold engine with
+# prefix caching off drifts further (by up to 0.36 nats on the first token, measured: `bench
+# vllm` compares with it).
 def reference_args(cluster: Cluster) -> dict[str, Any]:
     return engine_args_for(cluster.settings.config)
 
