@@ -25,7 +25,7 @@ from vllm import _custom_ops as vllm_ops
 from cachetier.client import CacheTierClient
 from cachetier.config import Config
 from cachetier.run.cluster import POOL, Cluster
-from cachetier.vllm.geometry import config_for_model
+from cachetier.vllm.geometry import FINE_HASH_UNIT, config_for_model
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob
 from cachetier.vllm.kv_copy import (AttentionViews, TokenRows, engine_attention_views,
                                     rows_to_engine, rows_to_pool)
@@ -107,7 +107,7 @@ def _fill(caches: dict[str, torch.Tensor], state_blocks: list[int], kv_blocks: l
 
 
 def _pin(info: dict[str, Any], reader: str, prompt: list[int] = PROMPT) -> Any:
-    hashes = chain_hashes(prompt, namespace_root(info["model_id"]), 1152)
+    hashes = chain_hashes(prompt, namespace_root(info["model_id"]), FINE_HASH_UNIT)
 
     async def pin() -> Any:
         async with CacheTierClient(info["service"], token=info["token"]) as tier:
@@ -136,7 +136,7 @@ def test_a_saved_prefix_is_in_cachetier_layout_and_loads_back_exactly(
     worker, caches, info = _worker(cluster, model_dir)
     state_blocks, kv_blocks = [1, 2, 3], [4, 5, 6]
     keys, values = _fill(caches, state_blocks, kv_blocks, cluster.settings.config)
-    hashes = chain_hashes(prompt[:BOUNDARY], namespace_root(info["model_id"]), 1152)
+    hashes = chain_hashes(prompt[:BOUNDARY], namespace_root(info["model_id"]), FINE_HASH_UNIT)
     table = ([0, 1, 0], [0, 2, 0], [0, 3, 0], kv_blocks)
     worker.save(CacheTierMetadata(saves=[SaveJob("r1", BOUNDARY, len(prompt), hashes,
                                                  state_blocks, table)]))
