@@ -1,7 +1,8 @@
 """`cachetier bench service --quick` end to end through the CLI, against the tests' redis-server:
 a service and an in-process CPU agent, steps through the service next to the index called
 directly, and a short throughput run, batched and (`--unbatched`) not, on one event loop or on
-each of two (`--loops`)."""
+each of two (`--loops`), plan + release or (`--cycle full`) with each step committed and
+confirmed."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureFixture[str],
                                                          redis_url: str) -> None:
     before = all_keys(redis_url)
-    code, out, err = bench(capsys, "--json", "--quick", "--unbatched", "--redis", redis_url)
+    code, out, err = bench(capsys, "--json", "--quick", "--unbatched", "--cycle", "full",
+                           "--redis", redis_url)
     assert code == 0, err
     result = json.loads(out)
     assert [(c["batch"], c["tokens"]) for c in result["cases"]] == [(1, 1024), (4, 1024)]
@@ -40,9 +42,11 @@ def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureF
         assert case["ratio"] == pytest.approx(case["service_p50_us"] / case["direct_p50_us"],
                                               rel=1e-2)
     assert result["throughput_steps_per_s"] > 0 and result["throughput_min_client_steps"] > 0
-    assert result["throughput_plan_p50_us"] <= result["throughput_cycle_p50_us"]
+    assert result["throughput_cycle"].startswith("plan+commit+confirm+release")
+    assert 0 < result["throughput_commit_p50_us"] <= result["throughput_cycle_p50_us"]
     unbatched = result["unbatched"]  # the same run through a replica that batches nothing
     assert unbatched["steps_per_s"] > 0 and unbatched["min_client_steps"] > 0
+    assert unbatched["cycle"] == result["throughput_cycle"] and unbatched["commit_p50_us"] > 0
     assert result["batching_speedup"] == pytest.approx(
         result["throughput_steps_per_s"] / unbatched["steps_per_s"], rel=2e-2)
     assert result["batching_plan_p50_ratio"] == pytest.approx(

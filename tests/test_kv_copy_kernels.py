@@ -96,7 +96,8 @@ def engine_attention(spec: ModelSpec, layout_kind: str, block_tokens: int, seed:
     shape = ((BLOCKS, heads, block_tokens, 2 * dim) if layout_kind == "vec"
              else (2, BLOCKS, block_tokens, heads, dim))
     return Side([random_bytes(shape, seed + i, torch_dtype(spec.mla_dtype)) for i in range(LAYERS)],
-                lambda storage, i: engine_attention_views(storage[i], block_tokens, spec))
+                lambda storage, i: engine_attention_views(storage[i], block_tokens, spec,
+                                                          "vec" if layout_kind == "vec" else None))
 
 
 def engine_states(spec: ModelSpec, page_bytes: int, seed: int) -> Side:

@@ -67,7 +67,8 @@ def _worker(cluster: Cluster,
                                                    ["kv_connector_extra_config"])
     tier = TierThread(settings.service, settings.token)
     names = [[f"layers.{i}.linear_attn"] for i in range(3)] + [["layers.3.self_attn.attn"]]
-    worker = ConnectorWorker(settings, cluster.settings.config, GROUPS, names, tier, Ranks(0, 1))
+    worker = ConnectorWorker(settings, cluster.settings.config, GROUPS, names, tier, Ranks(0, 1),
+                             "vec")
     caches = _engine_caches(cluster.settings.config)
     worker.register_kv_caches(caches)
     return worker, caches, info
@@ -83,15 +84,15 @@ def _state(caches: dict[str, torch.Tensor], layer: int, block: int,
             raw[conv_bytes:].view(torch.float32).view(4, 128, 128))
 
 
-def _write_kv(kv: torch.Tensor, slots: torch.Tensor,
-              noise: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _write_kv(kv: torch.Tensor, slots: torch.Tensor, noise: torch.Generator,
+              isa: str = "vec") -> tuple[torch.Tensor, torch.Tensor]:
     """Random K and V `[tokens, heads, dim]` for vLLM slots (`block * 1152 + row`), written into
-    the attention cache by vLLM's CPU kernel ("vec", this machine's), as a forward pass does."""
+    the attention cache by vLLM's CPU kernel of that family, as a forward pass does."""
     blocks, heads, block_tokens, _ = kv.shape
     keys = torch.randn(len(slots), heads, 32, generator=noise).to(torch.bfloat16)
     values = torch.randn(len(slots), heads, 32, generator=noise).to(torch.bfloat16)
     key_cache, value_cache = kv.view(blocks, heads, 2 * block_tokens, 32).chunk(2, dim=2)
-    vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec")
+    vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa)
     return keys, values
 
 
@@ -201,17 +202,24 @@ def test_a_hit_fills_its_own_block_and_every_block_the_pass_may_run_in() -> None
     assert state_blocks([0, 0, 4, 0, 8], 2944, 1152) == [4, 8]
 
 
-def test_part_of_a_block_moves_exactly_the_rows_vllm_wrote(model_dir: Path) -> None:
+@pytest.mark.parametrize("isa", [
+    "vec",
+    pytest.param("amx", marks=pytest.mark.skipif(
+        not torch.cpu._is_amx_tile_supported(),
+        reason="vLLM picks its amx kernels only on a CPU with AMX tiles"))])
+def test_part_of_a_block_moves_exactly_the_rows_vllm_wrote(model_dir: Path, isa: str) -> None:
     """A prompt tail at 128 tokens fills part of a block: saving and restoring its rows must move
-    those tokens' K and V (every dim) and nothing else. The copies used to view vLLM's CPU K
-    as token rows, which it is not (it is dim-major): whole blocks still came back exact, but the
-    tail rows of a restored block were other bytes (0.03 nats off vLLM's own reuse)."""
+    those tokens' K and V (every dim) and nothing else, in each CPU kernel family's layout. The
+    copies used to view vLLM's "vec" K as token rows, which it is not (it is dim-major): whole
+    blocks still came back exact, but the tail rows of a restored block were other bytes (0.03
+    nats off vLLM's own reuse). Its "amx" layout packs K by 16 tokens and V by token pairs, so a
+    tail of 128 rows that a view got wrong would move other tokens' halves."""
     kv = torch.zeros(4, 2, 1152, 64, dtype=torch.bfloat16)
     noise = torch.Generator().manual_seed(5)
     written = 2 * 1152 + torch.arange(300)  # block 2: a pass has written its first 300 rows
-    keys, values = _write_kv(kv, written, noise)
+    keys, values = _write_kv(kv, written, noise, isa)
     model = config_for_model(model_dir, num_pages=4).model
-    views = engine_attention_views(kv, 1152, model)
+    views = engine_attention_views(kv, 1152, model, isa)
     page = AttentionViews(torch.zeros(1, 1152, 2, 32, dtype=torch.bfloat16),
                           torch.zeros(1, 1152, 2, 32, dtype=torch.bfloat16))
     table = [0, 0, 2]
@@ -222,10 +230,10 @@ def test_part_of_a_block_moves_exactly_the_rows_vllm_wrote(model_dir: Path) -> N
     assert not page.keys[0, 128:].any() and not page.values[0, 128:].any()
 
     restored = torch.zeros_like(kv)
-    rows_to_engine(page, engine_attention_views(restored, 1152, model),
+    rows_to_engine(page, engine_attention_views(restored, 1152, model, isa),
                    TokenRows.of([(2304, 2432, [0, 0, 3], [0, 0, 0])], 1152, 1152))
     expected = torch.zeros_like(kv)
     key_cache, value_cache = expected.view(4, 2, 2 * 1152, 32).chunk(2, dim=2)
     vllm_ops.cpu_attn_reshape_and_cache(keys[:128], values[:128], key_cache, value_cache,
-                                        3 * 1152 + torch.arange(128), "vec")
+                                        3 * 1152 + torch.arange(128), isa)
     assert torch.equal(restored, expected)  # vLLM's own bytes for those 128 tokens, no others

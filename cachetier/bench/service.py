@@ -18,7 +18,9 @@ The releases that undo each step run outside the timed region.
 Throughput: `--clients` concurrent clients, each its own `CacheTierClient` (connection) and its
 own conversation, repeat plan (through the service, copies and confirm included) + release for
 a fixed duration; steps/s counts completed plan+release cycles, and `throughput_plan_p50_us` is
-the plan alone. The service batches the plans that arrive for the pool while a step is in flight
+the plan alone; `--cycle full` also commits and confirms each step before its release (the
+service batches those too), with `throughput_commit_p50_us` the commit + confirm alone. The
+service batches the plans that arrive for the pool while a step is in flight
 (`ServiceSettings.batch_tick_s`); `--unbatched` runs the same throughput again, in the same run,
 through a second replica of the service that plans every step alone (the same agents serve both)
 and reports it as `unbatched`, with `batching_speedup` (steps/s) and `batching_plan_p50_ratio`.
@@ -129,10 +131,12 @@ def pages_per_conversation(config: Config, tokens: int) -> int:
     return model.mla_groups * (-(-tokens // cache.page_tokens) + 1) + 3 * model.kda_groups
 
 
-def sized(config: Config, conversations: dict[int, int]) -> Config:
+def sized(config: Config, conversations: dict[int, int], committing: int = 0) -> Config:
     """A pool that holds every conversation's first turn and a step on each at once: nothing is
-    ever evicted, so every case measures the same hit."""
+    ever evicted, so every case measures the same hit. `committing` conversations also keep the
+    turn the full throughput cycle commits: its checkpoint and the MLA page of its last block."""
     pages = sum(n * pages_per_conversation(config, t) for t, n in conversations.items())
+    pages += committing * (config.model.kda_groups + config.model.mla_groups)
     return dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_pages=pages))
 
 
@@ -299,14 +303,22 @@ async def measure(tier: CacheTierClient, index: PrefixIndex, rtt: Any, pool: str
             "copy_bytes_per_step": copies[1] * layer_slots, "steps": case.reps}
 
 
+CYCLES = {"plan": "plan+release, 1 request per step",
+          "full": "plan+commit+confirm+release, 1 request per step"}
+
+
 async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, step_tokens: int,
-                     clients: int, duration: float) -> dict[str, Any]:
+                     clients: int, duration: float, cycle: str = "plan") -> dict[str, Any]:
     """`clients` connections, each looping plan (service: copies, confirm) + release on its own
-    conversation until the deadline; completed cycles per second."""
+    conversation until the deadline; completed cycles per second. The `full` cycle also commits
+    the step's block with a turn-end checkpoint and confirms it before the release, as an engine
+    does after the forward pass (a duplicate of the previous cycle's commit but for the first:
+    the same script work, and the pool does not grow)."""
     hit = tokens - step_tokens
     counts = [0] * clients
     latencies: list[int] = []
     plan_latencies: list[int] = []
+    commit_latencies: list[int] = []
     async with AsyncExitStack() as stack:
         tiers = [await stack.enter_async_context(CacheTierClient(url, token=TOKEN, timeout=60))
                  for _ in range(clients)]
@@ -322,7 +334,11 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
                 begin = time.perf_counter_ns()
                 async with RequestLifecycle(through_service) as steps:
                     expect_plan(await steps.plan([request]), hit, "throughput step")
-                    plan_latencies.append(time.perf_counter_ns() - begin)
+                    planned = time.perf_counter_ns()
+                    plan_latencies.append(planned - begin)
+                    if cycle == "full":
+                        await steps.finish([CommitItem(request.rid, tokens, tokens, durable=True)])
+                        commit_latencies.append(time.perf_counter_ns() - planned)
                 latencies.append(time.perf_counter_ns() - begin)
                 counts[n] += 1
 
@@ -334,12 +350,14 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - begin
     return {"throughput_steps_per_s": round(sum(counts) / elapsed, 1),
-            "throughput_cycle": "plan+release, 1 request per step",
+            "throughput_cycle": CYCLES[cycle],
             "throughput_tokens": tokens, "throughput_duration_s": round(elapsed, 2),
             "throughput_cycle_p50_us": round(float(np.median(latencies)) / 1e3, 1)
             if latencies else None,
             "throughput_plan_p50_us": round(float(np.median(plan_latencies)) / 1e3, 1)
             if plan_latencies else None,
+            **({"throughput_commit_p50_us": round(float(np.median(commit_latencies)) / 1e3, 1)
+                if commit_latencies else None} if cycle == "full" else {}),
             "throughput_min_client_steps": min(counts)}
 
 
@@ -385,7 +403,7 @@ async def run_once(args: argparse.Namespace) -> dict[str, Any]:
     tp_tokens = max(token_sizes)
     conversations = {t: max([c.batch for c in cases if c.tokens == t]
                             + ([clients] if t == tp_tokens else [])) for t in token_sizes}
-    config = sized(base, conversations)
+    config = sized(base, conversations, clients if args.cycle == "full" else 0)
     pool = f"bench-service-{uuid.uuid4().hex[:12]}"
     root = namespace_root(config.model.name)
     block, algo = config.cache.hash_block_tokens, config.cache.hash_algo
@@ -423,13 +441,13 @@ async def run_once(args: argparse.Namespace) -> dict[str, Any]:
                     results.append(result)
                 progress(f"throughput: {clients} clients for {duration:g} s at {tp_tokens} tokens")
                 tput = await throughput(services[0].url, pool, blobs[tp_tokens], tp_tokens,
-                                        step_tokens, clients, duration)
+                                        step_tokens, clients, duration, args.cycle)
                 progress(f"throughput: {tput['throughput_steps_per_s']} steps/s, plan p50 "
                          f"{tput['throughput_plan_p50_us']} us")
                 if args.unbatched:
                     tput.update(await compare_unbatched(services[1].url, pool, blobs[tp_tokens],
                                                         tp_tokens, step_tokens, clients,
-                                                        duration, tput))
+                                                        duration, args.cycle, tput))
         finally:
             keys = [key async for key in redis.scan_iter(match=f"*{pool}*")]
             if keys:
@@ -444,12 +462,12 @@ async def run_once(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def compare_unbatched(url: str, pool: str, blobs: Sequence[bytes], tokens: int,
-                            step_tokens: int, clients: int, duration: float,
+                            step_tokens: int, clients: int, duration: float, cycle: str,
                             batched: dict[str, Any]) -> dict[str, Any]:
     """The same throughput run through the replica that plans every step alone, and how the
     batched run compares: `batching_speedup` (steps/s, batched over unbatched) and
     `batching_plan_p50_ratio` (plan p50, unbatched over batched)."""
-    alone = await throughput(url, pool, blobs, tokens, step_tokens, clients, duration)
+    alone = await throughput(url, pool, blobs, tokens, step_tokens, clients, duration, cycle)
     progress(f"throughput unbatched: {alone['throughput_steps_per_s']} steps/s, plan p50 "
              f"{alone['throughput_plan_p50_us']} us")
     speedup = batched["throughput_steps_per_s"] / alone["throughput_steps_per_s"]
@@ -494,6 +512,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unbatched", action="store_true",
                         help="also run the throughput through a replica that plans every step "
                              "alone (batch_tick_s 0), in the same run, and report both")
+    parser.add_argument("--cycle", choices=tuple(CYCLES), default="plan",
+                        help="what each throughput client repeats: `plan` (plan + release) or "
+                             "`full` (plan, then commit + confirm, then release; the commit's "
+                             "time is `throughput_commit_p50_us`); default plan")
     parser.add_argument("--loops", default=DEFAULT_LOOP, metavar="NAME[,NAME]",
                         help=f"the event loops to run on, in turn, in one run ({', '.join(LOOPS)}; "
                              f"default {DEFAULT_LOOP}, the service's): the first one's figures, "

@@ -9,7 +9,8 @@ message naming every difference, when the engine does not match the pool: anothe
 fingerprint), another geometry (groups, heads, dims, dtypes, block size, hash unit, tensor-
 parallel degree: each rank's worker maps its own rank's agent, `ranks`), a mamba cache mode
 other than align (the saves need vLLM's boundary states), or, on CPU, an attention kernel whose
-block layout the copies do not read (`kv_copy.CPU_ATTENTION_ISAS`; AMX packs K and V in tiles).
+block layout the copies do not read (`kv_copy.CPU_ATTENTION_ISAS`: vec, vec16 and amx, which
+packs K and V in tiles; the worker views its blocks by the kernel the engine picked).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config,
                                                        engine_id=transfer.engine_id)
-        config = _checked_config(settings, vllm_config, kv_cache_config)
+        config, attention_isa = _checked_config(settings, vllm_config, kv_cache_config)
         groups = ["linear" if isinstance(g.kv_cache_spec, MambaSpec) else "full"
                   for g in kv_cache_config.kv_cache_groups]
         self._tier = TierThread(settings.service, settings.token, timeout_s=settings.timeout_s)
@@ -58,7 +59,8 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = ConnectorWorker(settings, config, groups,
                                            [list(g.layer_names)
                                             for g in kv_cache_config.kv_cache_groups],
-                                           self._tier, engine_ranks(config.model.tp_degree))
+                                           self._tier, engine_ranks(config.model.tp_degree),
+                                           attention_isa)
 
     # -- worker side -------------------------------------------------------------------------------
 
@@ -133,8 +135,10 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
         return False, self._scheduler.request_finished(request)
 
 
-def _checked_config(settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any) -> Config:
-    """The pool's configuration, once the engine is shown to match it; else `GeometryMismatch`."""
+def _checked_config(settings: ConnectorSettings, vllm_config: Any,
+                    kv_cache_config: Any) -> tuple[Config, str | None]:
+    """The pool's configuration, once the engine is shown to match it (else `GeometryMismatch`),
+    and the engine's CPU attention kernel (None off CPU)."""
     handle, _ = read_handle(settings.handle_file_of(0))  # every rank's pool has one geometry
     pool = Config(handle.model, handle.cache)
     cache_config = vllm_config.cache_config
@@ -161,7 +165,7 @@ def _checked_config(settings: ConnectorSettings, vllm_config: Any, kv_cache_conf
     if problems:
         raise GeometryMismatch(f"cachetier refuses this engine for pool {settings.pool}: "
                                + "; ".join(problems))
-    return pool
+    return pool, isa
 
 
 def _cpu_attention_isa(vllm_config: Any, engine_model: Any) -> str | None:

@@ -116,6 +116,7 @@ def _serve(model: str, info: dict[str, Any] | None, extra_args: dict[str, Any],
         engine_args["enable_prefix_caching"] = False
     engine_args.update(extra_args)
     _bind_cpu_ranks(engine_args.get("tensor_parallel_size", 1))
+    _reserve_cpus_as_with_a_connector(engine_args.get("tensor_parallel_size", 1))
     started = time.perf_counter()
     llm = LLM(model=model, **engine_args)
     _answer(results, {"ready_s": time.perf_counter() - started})
@@ -142,6 +143,19 @@ def _bind_cpu_ranks(tp: int) -> None:
     share = max(1, len(cores) // tp)
     ranks = [cores[(r * share) % len(cores):][:share] for r in range(tp)]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in ranks)
+
+
+def _reserve_cpus_as_with_a_connector(tp: int) -> None:
+    """vLLM's CPU engine keeps cores for its scheduler (one per rank) and, with a KV connector,
+    one more per rank, so a cold engine would run its OpenMP threads on more cores than a
+    connector's (on two cores: 1 thread against 2). With AMX, the bfloat16 GEMMs of a decode step
+    reduce differently by thread count: the oracle then saw logprobs 3e-4 apart that no restore
+    caused. Every engine here reserves a connector engine's cores, unless the user chose
+    (`VLLM_CPU_NUM_OF_RESERVED_CPU`)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(2 * tp))
 
 
 def _prompt(request: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,11 @@ Both sides are seen through typed, strided views of their own buffers (no copy t
   that took K for token rows still moved whole blocks exactly (any consistent view does), but
   the rows of part of a block (a prompt tail at 128 tokens) were other bytes: a tail restore
   left K entries of the block unwritten, up to 0.03 nats off vLLM's own reuse on the first
-  token. AMX kernels pack both in tiles, which the connector refuses (`CPU_ATTENTION_ISAS`).
+  token. Its "amx" kernels (bfloat16 on a CPU with AMX tiles) pack both in tiles: K by groups of
+  16 tokens, each `[head_dim / 2, 16, 2]` (pairs of dims side by side per token), V as
+  `[head_dim / 16, block_tokens / 2, 16, 2]` (pairs of tokens side by side per dim), read off
+  what `cpu_attn_reshape_and_cache` writes. A token row of those is no single stride, so a tiled
+  part is addressed by `(block, row // tile, row % tile)` (`AttentionViews.key_tile`).
   The CUDA flash-attention layout is `[2, blocks, block_tokens, heads, head_dim]`. The pool's
   full-attention page is token-major, each token row this rank's heads one after the other, K
   then V (`gpu_pool.layout`).
@@ -49,8 +53,18 @@ from kernels.tile_copy import tile_copy
 
 @dataclass(frozen=True)
 class AttentionViews:
-    keys: torch.Tensor  # [blocks or pages, tokens, heads, head_dim]
+    """K and V, each addressed by (block or page, token row). An untiled part (tile 1) is
+    `[blocks, tokens, heads, head_dim]`; a tiled one `[blocks, tokens // tile, tile, heads, ...]`,
+    its head dim split as its tile packs it, so a row is `[heads, ...]` in either."""
+
+    keys: torch.Tensor
     values: torch.Tensor
+    key_tile: int = 1
+    value_tile: int = 1
+
+    @property
+    def tiled(self) -> bool:
+        return self.key_tile > 1 or self.value_tile > 1
 
 
 @dataclass(frozen=True)
@@ -59,13 +73,29 @@ class StateViews:
     recurrent: torch.Tensor  # [blocks or pages, heads, V, K]
 
 
-CPU_ATTENTION_ISAS = ("vec", "vec16")  # vLLM CPU kernels whose block layout the views below read
+CPU_ATTENTION_ISAS = ("vec", "vec16", "amx")  # vLLM CPU kernels whose block layout is read here
+AMX_KEY_TILE = 16  # tokens per K tile of vLLM's amx layout
+AMX_VALUE_TILE = 2  # tokens side by side in its V tiles
 
 
-def engine_attention_views(kv: torch.Tensor, block_tokens: int, model: ModelSpec) -> AttentionViews:
+def engine_attention_views(kv: torch.Tensor, block_tokens: int, model: ModelSpec,
+                           isa: str | None = None) -> AttentionViews:
+    """`isa` is the CPU attention kernel family vLLM picked (None off CPU): it decides the
+    layout inside a CPU block."""
     heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
     if kv.dim() == 4 and kv.shape[1:] == (heads, block_tokens, 2 * dim):  # CPU: head-major
+        if isa not in CPU_ATTENTION_ISAS:
+            raise ValueError(f"vLLM CPU attention kernel {isa!r}: its block layout is not read "
+                             f"here (only {', '.join(CPU_ATTENTION_ISAS)})")
         parts = kv.view(kv.shape[0], heads, 2, block_tokens * dim)
+        if isa == "amx":
+            keys = parts[:, :, 0].unflatten(
+                -1, (block_tokens // AMX_KEY_TILE, dim // 2, AMX_KEY_TILE, 2)
+            ).permute(0, 2, 4, 1, 3, 5)
+            values = parts[:, :, 1].unflatten(
+                -1, (dim // 16, block_tokens // AMX_VALUE_TILE, 16, AMX_VALUE_TILE)
+            ).permute(0, 3, 5, 1, 2, 4)
+            return AttentionViews(keys, values, AMX_KEY_TILE, AMX_VALUE_TILE)
         keys = parts[:, :, 0].unflatten(-1, (dim, block_tokens)).permute(0, 3, 1, 2)
         values = parts[:, :, 1].unflatten(-1, (block_tokens, dim)).permute(0, 2, 1, 3)
         return AttentionViews(keys, values)
@@ -157,8 +187,19 @@ def _copy_rows(dst: AttentionViews, dst_at: tuple[torch.Tensor, torch.Tensor],
         return
     into = tuple(v.to(dst.keys.device) for v in dst_at)
     out_of = tuple(v.to(src.keys.device) for v in src_at)
-    dst.keys[into] = src.keys[out_of].to(dst.keys.device)
-    dst.values[into] = src.values[out_of].to(dst.values.device)
+    for (d, d_tile), (s, s_tile) in (((dst.keys, dst.key_tile), (src.keys, src.key_tile)),
+                                     ((dst.values, dst.value_tile), (src.values, src.value_tile))):
+        rows = s[_row_index(out_of, s_tile)]
+        d[_row_index(into, d_tile)] = rows.reshape(-1, *d.shape[2 if d_tile == 1 else 3:]).to(
+            d.device)
+
+
+def _row_index(at: tuple[torch.Tensor, torch.Tensor], tile: int) -> tuple[torch.Tensor, ...]:
+    """(blocks, rows) as the index of a part whose rows come `tile` to a tile."""
+    if tile == 1:
+        return at
+    blocks, rows = at
+    return blocks, rows // tile, rows % tile
 
 
 def states_to_engine(pool: StateViews, engine: StateViews, pages: list[int],
@@ -232,6 +273,8 @@ def _move_rows(dst: Sequence[AttentionViews], dst_at: tuple[torch.Tensor, torch.
     if not pairs:
         return "torch"
     backend = _backend(pairs[0][0].keys, pairs[0][1].keys)
+    if any(view.tiled for pair in pairs for view in pair):
+        backend = "torch"  # a tiled row is no tile of one stride (vLLM's amx: CPU only anyway)
     if backend == "torch":
         for s, d in pairs:
             _copy_rows(d, dst_at, s, src_at)

@@ -66,13 +66,15 @@ def read_handle(path: str) -> tuple[PoolHandle, tuple[int, int]]:
 
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, config: Config, groups: list[str],
-                 layer_names: list[list[str]], tier: TierThread, ranks: Ranks) -> None:
+                 layer_names: list[list[str]], tier: TierThread, ranks: Ranks,
+                 attention_isa: str | None = None) -> None:
         self.settings = settings
         self.config = config
         self.groups = groups
         self.layer_names = layer_names
         self.tier = tier
         self.ranks = ranks
+        self.attention_isa = attention_isa  # vLLM's CPU attention kernel: its block layout
         self.placement = PLACEMENTS[settings.placement]
         self.block_tokens = config.cache.page_tokens  # vLLM's block (the alignment rule)
         self._engine_attention: dict[int, list[AttentionViews]] = {}
@@ -90,8 +92,9 @@ class ConnectorWorker:
         for g, (kind, names) in enumerate(zip(self.groups, self.layer_names)):
             tensors = [kv_caches[name] for name in names]
             if kind == "full":
-                self._engine_attention[g] = [engine_attention_views(t, self.block_tokens, model)
-                                             for t in tensors]
+                self._engine_attention[g] = [
+                    engine_attention_views(t, self.block_tokens, model, self.attention_isa)
+                    for t in tensors]
             else:
                 self._engine_state[g] = [engine_state_views(t, model) for t in tensors]
         self._map_pool()
