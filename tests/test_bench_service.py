@@ -42,6 +42,7 @@ def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureF
         assert case["ratio"] == pytest.approx(case["service_p50_us"] / case["direct_p50_us"],
                                               rel=1e-2)
     assert result["throughput_steps_per_s"] > 0 and result["throughput_min_client_steps"] > 0
+    assert result["throughput_plan_p50_us"] <= result["throughput_cycle_p50_us"]
     assert result["throughput_cycle"].startswith("plan+commit+confirm+release")
     assert 0 < result["throughput_commit_p50_us"] <= result["throughput_cycle_p50_us"]
     unbatched = result["unbatched"]  # the same run through a replica that batches nothing

@@ -356,8 +356,8 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
             if latencies else None,
             "throughput_plan_p50_us": round(float(np.median(plan_latencies)) / 1e3, 1)
             if plan_latencies else None,
-            **({"throughput_commit_p50_us": round(float(np.median(commit_latencies)) / 1e3, 1)
-                if commit_latencies else None} if cycle == "full" else {}),
+            "throughput_commit_p50_us": round(float(np.median(commit_latencies)) / 1e3, 1)
+            if commit_latencies else None,  # None on the plan cycle, which commits nothing
             "throughput_min_client_steps": min(counts)}
 
 
