@@ -5,8 +5,12 @@ Two layouts are understood: Qwen3-Next / Qwen3.5 (Gated DeltaNet + grouped-query
 `linear_conv_kernel_dim`, `num_key_value_heads`, `head_dim`, and `layer_types` or
 `full_attention_interval`) and Kimi Linear (KDA + MLA: `linear_attn_config` with `num_heads`,
 `head_dim`, `short_conv_kernel_size`, `full_attn_layers`, and the MLA latent `kv_lora_rank +
-qk_rope_head_dim`). Layers are grouped as the unified page needs them, `gcd(linear, full)` layers
-per group. Only model fields come from the file: the tensor-parallel degree and the whole
+qk_rope_head_dim`). Full-attention models are understood too, with no linear-attention state
+(`kda_groups=0`, `NO_LINEAR_STATE`): DeepSeek-V2/V3 style MLA (`kv_lora_rank`,
+`qk_rope_head_dim`) and grouped-query attention (Llama, Qwen3: `num_attention_heads`,
+`num_key_value_heads`, `head_dim`), every layer a full-attention one. Layers are grouped as the
+unified page needs them, `gcd(linear, full)` layers per group (one group of every layer for a
+full-attention model). Only model fields come from the file: the tensor-parallel degree and the whole
 `CacheSpec` stay the preset's. Every missing or unsupported field is an `HfConfigError` naming
 `hf_config.<key>` (`cachetier.config` turns it into its `ConfigError`; this module stays below
 it, so the configuration does not import in a circle).
@@ -21,6 +25,13 @@ from typing import Any, Mapping
 
 # the checkpoint dtypes Hugging Face configs name (`torch_dtype`) that the cache stores
 HF_DTYPES = ("bfloat16", "float16", "float32")
+
+# A full-attention model's linear-attention fields: it has no such state (`kda_groups=0`), and
+# every description of one gives these same smallest valid values, so two compare equal.
+NO_LINEAR_STATE: dict[str, Any] = {"linear_kind": "kda", "kda_groups": 0, "kda_heads": 1,
+                                   "kda_key_heads": 0, "kda_head_k_dim": 1, "kda_head_v_dim": 1,
+                                   "kda_state_dtype": "float32", "conv_kernel": 1,
+                                   "conv_dtype": "float32"}
 
 
 class HfConfigError(ValueError):
@@ -46,9 +57,38 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
         return _gated_deltanet(data)
     if "linear_attn_config" in data:
         return _kimi_linear(data)
+    if "kv_lora_rank" in data:
+        return _full_attention(data, _mla_fields(data))
+    if "num_attention_heads" in data:
+        return _full_attention(data, {"attention_kind": "gqa", "mla_latent_dim": 0,
+                                      "gqa_kv_heads": _int(data, "num_key_value_heads")
+                                      if "num_key_value_heads" in data
+                                      else _int(data, "num_attention_heads"),
+                                      "gqa_head_dim": _head_dim(data)})
     raise HfConfigError("hf_config.model_type", f"unsupported model {data.get('model_type')!r}: "
-                        "neither a Gated DeltaNet config (linear_num_value_heads) nor a Kimi "
-                        "Linear one (linear_attn_config)")
+                        "neither a Gated DeltaNet config (linear_num_value_heads), a Kimi "
+                        "Linear one (linear_attn_config), nor a full-attention one (kv_lora_rank "
+                        "for MLA, num_attention_heads for GQA)")
+
+
+def _full_attention(data: Mapping[str, Any], attention: dict[str, Any]) -> dict[str, Any]:
+    """A model whose every layer is full attention (no sliding window: its pages would not hold
+    a whole prefix)."""
+    layers = _int(data, "num_hidden_layers")
+    kinds = data.get("layer_types") or ["full_attention"] * layers
+    if set(kinds) != {"full_attention"} or data.get("use_sliding_window"):
+        raise HfConfigError("hf_config.layer_types", f"a layer other than full attention "
+                            f"({sorted(set(kinds) - {'full_attention'}) or 'sliding window'}): "
+                            "not a model this cache serves")
+    dtype = _dtype(data)
+    return {"name": str(data.get("model_type", "hf")), **NO_LINEAR_STATE,
+            **_groups(0, layers), **attention, "mla_dtype": dtype}
+
+
+def _mla_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_kind": "mla",
+            "mla_latent_dim": _int(data, "kv_lora_rank") + _int(data, "qk_rope_head_dim"),
+            "gqa_kv_heads": 0, "gqa_head_dim": 0}
 
 
 def _gated_deltanet(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,13 +130,11 @@ def _kimi_linear(data: Mapping[str, Any]) -> dict[str, Any]:
     head_dim = _int(linear, "head_dim", "linear_attn_config.")
     dtype = _dtype(data)
     return {"name": str(data.get("model_type", "hf")), "linear_kind": "kda",
-            "attention_kind": "mla", **_groups(layers - len(full), len(full)),
+            **_groups(layers - len(full), len(full)),
             "kda_heads": heads, "kda_key_heads": 0, "kda_head_k_dim": head_dim,
             "kda_head_v_dim": head_dim, "kda_state_dtype": dtype,
             "conv_kernel": _int(linear, "short_conv_kernel_size", "linear_attn_config."),
-            "conv_dtype": dtype,
-            "mla_latent_dim": _int(data, "kv_lora_rank") + _int(data, "qk_rope_head_dim"),
-            "gqa_kv_heads": 0, "gqa_head_dim": 0, "mla_dtype": dtype}
+            "conv_dtype": dtype, **_mla_fields(data), "mla_dtype": dtype}
 
 
 def _groups(linear: int, full: int) -> dict[str, int]:

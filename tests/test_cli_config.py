@@ -128,7 +128,34 @@ def test_hf_config_of_kimi_linear(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert (model["kda_heads"], model["kda_head_k_dim"], model["mla_latent_dim"]) == (32, 128, 576)
 
 
+# Full-attention configs as their model families write them (a DeepSeek-V3's MLA, a Llama's GQA)
+DEEPSEEK_V3_HF = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512,
+                  "qk_rope_head_dim": 64, "num_attention_heads": 128, "num_key_value_heads": 128,
+                  "torch_dtype": "bfloat16"}
+LLAMA_HF = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(("data", "attention"), [(DEEPSEEK_V3_HF, "mla"), (LLAMA_HF, "gqa")])
+def test_hf_config_of_a_full_attention_model(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                             data: dict, attention: str) -> None:
+    """No linear state: one group of every layer, and a page of full-attention rows alone."""
+    shown = show_json(capsys, "--hf-config", write_json(tmp_path, data))
+    model = shown["model"]
+    assert (model["kda_groups"], model["mla_groups"], model["layers_per_group"]) == (
+        0, 1, data["num_hidden_layers"])
+    assert model["attention_kind"] == attention
+    assert ((model["mla_latent_dim"], model["gqa_kv_heads"], model["gqa_head_dim"])
+            == ((576, 0, 0) if attention == "mla" else (0, 8, 128)))
+    row = 576 * 2 if attention == "mla" else 8 * 2 * 128 * 2  # bytes per token per layer
+    assert shown["page_bytes"] >= shown["cache"]["page_tokens"] * row
+
+
 @pytest.mark.parametrize(("data", "field"), [
+    ({**LLAMA_HF, "layer_types": ["sliding_attention"] * 32}, "hf_config.layer_types"),
+    ({**LLAMA_HF, "use_sliding_window": True}, "hf_config.layer_types"),
+    ({k: v for k, v in DEEPSEEK_V3_HF.items() if k != "qk_rope_head_dim"},
+     "hf_config.qk_rope_head_dim: missing"),
     ({k: v for k, v in QWEN3_NEXT_HF.items() if k != "linear_num_key_heads"},
      "hf_config.linear_num_key_heads: missing"),
     ({**QWEN3_NEXT_HF, "torch_dtype": "int4"}, "hf_config.torch_dtype: unsupported dtype"),

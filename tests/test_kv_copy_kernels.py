@@ -1,10 +1,11 @@
 """The connector's copies through the Triton tile-copy kernel against its torch path, which stays the
 reference: for random batches of jobs (token ranges starting and ending inside blocks, several
-blocks and layers, both directions), vLLM's CPU "vec" layout, the CUDA flash-attention layout and
-the GDN states (conv part transposed, recurrent part as is), in bf16 and fp32, every byte of both
-buffers must come out equal. The kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set
-for the test only: launchers jit at launch), so shapes stay small; on a GPU, `scripts/gpu_check.sh`
-runs the `gpu`-marked cases compiled (fixed batches of the same kinds; none has run yet).
+blocks and layers, both directions), vLLM's CPU "vec" layout, the CUDA flash-attention layout, the
+MLA latent rows (one layout on every backend) and the GDN states (conv part transposed, recurrent
+part as is), in bf16 and fp32, every byte of both buffers must come out equal. The kernel runs in
+Triton's interpreter (`TRITON_INTERPRET=1`, set for the test only: launchers jit at launch), so
+shapes stay small; on a GPU, `scripts/gpu_check.sh` runs the `gpu`-marked cases compiled (fixed
+batches of the same kinds; none has run yet).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachetier.config import CacheSpec, ModelSpec
+from cachetier.hf_config import NO_LINEAR_STATE
 from cachetier.vllm.kv_copy import (AttentionViews, StateViews, TokenRows, engine_attention_views,
                                     engine_state_views, load_rows, load_states, pool_attention_views,
                                     pool_state_views, rows_to_engine, rows_to_pool, save_rows,
@@ -53,6 +55,14 @@ def model(attention: torch.dtype = torch.bfloat16, conv: torch.dtype = torch.bfl
                      kda_head_k_dim=8, kda_head_v_dim=8, kda_state_dtype=DTYPE_NAMES[recurrent],
                      conv_kernel=4, conv_dtype=DTYPE_NAMES[conv], mla_latent_dim=0,
                      gqa_kv_heads=2, gqa_head_dim=8, mla_dtype=DTYPE_NAMES[attention])
+
+
+def mla_model(attention: torch.dtype = torch.bfloat16) -> ModelSpec:
+    """A small DeepSeek-like full-attention model: one MLA latent of 24 per token, no linear
+    state."""
+    return ModelSpec(**{**NO_LINEAR_STATE, "name": "small-mla", "attention_kind": "mla",
+                        "mla_groups": 1, "layers_per_group": LAYERS, "mla_latent_dim": 24,
+                        "mla_dtype": DTYPE_NAMES[attention]})
 
 
 def random_bytes(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -93,8 +103,9 @@ def pool_side(layout: PageLayout, kind: str, seed: int) -> Side:
 
 def engine_attention(spec: ModelSpec, layout_kind: str, block_tokens: int, seed: int) -> Side:
     heads, dim = spec.attn_heads_per_rank, spec.gqa_head_dim
-    shape = ((BLOCKS, heads, block_tokens, 2 * dim) if layout_kind == "vec"
-             else (2, BLOCKS, block_tokens, heads, dim))
+    shape = {"vec": (BLOCKS, heads, block_tokens, 2 * dim),
+             "flash": (2, BLOCKS, block_tokens, heads, dim),
+             "mla": (BLOCKS, 1, block_tokens, spec.mla_latent_dim)}[layout_kind]
     return Side([random_bytes(shape, seed + i, torch_dtype(spec.mla_dtype)) for i in range(LAYERS)],
                 lambda storage, i: engine_attention_views(storage[i], block_tokens, spec,
                                                           "vec" if layout_kind == "vec" else None))
@@ -134,7 +145,7 @@ def run_rows(layout_kind: str, dtype: torch.dtype, direction: str, spans: list[t
              block_tokens: int, page_tokens: int, device: str = "cpu") -> None:
     """The torch path on CPU copies, then the dispatcher on `device` (the interpreter on CPU):
     the same bytes on both sides, and Triton ran."""
-    spec = model(attention=dtype)
+    spec = mla_model(dtype) if layout_kind == "mla" else model(attention=dtype)
     cache = CacheSpec(hash_block_tokens=4, page_tokens=page_tokens, page_alignment=16,
                       num_pages=PAGES)
     expected_pool = pool_side(PageLayout.from_specs(spec, cache), "attention", seed=1)
@@ -178,7 +189,8 @@ def run_states(dtypes: tuple[torch.dtype, torch.dtype], direction: str, pages: l
 
 @pytest.mark.parametrize("direction", ["load", "save"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("layout_kind", ["vec", "flash"], ids=["cpu-vec", "cuda-flash"])
+@pytest.mark.parametrize("layout_kind", ["vec", "flash", "mla"],
+                         ids=["cpu-vec", "cuda-flash", "mla"])
 @EXAMPLES
 @given(data=st.data())
 def test_token_rows_match_the_torch_path(layout_kind: str, dtype: torch.dtype, direction: str,
@@ -187,6 +199,28 @@ def test_token_rows_match_the_torch_path(layout_kind: str, dtype: torch.dtype, d
     page_tokens = data.draw(st.sampled_from([8, 16]), label="page_tokens")
     spans = data.draw(row_spans(block_tokens, page_tokens), label="spans")
     run_rows(layout_kind, dtype, direction, spans, block_tokens, page_tokens)
+
+
+def test_an_mla_row_is_one_token_s_latent_on_both_sides() -> None:
+    """The MLA views' meaning, not only their agreement with the kernel: pool page p's row r is
+    the latent at offset `r * latent` of the page's attention bytes, and vLLM block b's row r the
+    `[b, r]` latent of its `[blocks, block_tokens, latent]` tensor (or `[b, 0, r]` of the
+    `[blocks, 1, block_tokens, latent]` one vLLM registers)."""
+    spec = mla_model(torch.float32)
+    layout = PageLayout.from_specs(spec, CacheSpec(hash_block_tokens=4, page_tokens=8,
+                                                   page_alignment=16, num_pages=PAGES))
+    buffer = torch.zeros(layout.buffer_shape, dtype=torch.uint8)
+    pool = pool_attention_views(buffer, layout, 1)
+    latent = torch.arange(24, dtype=torch.float32)
+    buffer[1, 5, 3 * 24 * 4:4 * 24 * 4] = latent.view(torch.uint8)  # page 5, row 3, slot 1
+    for engine in (torch.zeros(BLOCKS, 8, 24), torch.zeros(BLOCKS, 1, 8, 24)):
+        views = engine_attention_views(engine, 8, spec)
+        assert views.values is None and len(views.parts) == 1
+        rows_to_engine(pool, views, TokenRows.of([(3, 4, [6], [5])], 8, 8))
+        assert torch.equal(engine.view(BLOCKS, 8, 24)[6, 3], latent)
+        assert engine.count_nonzero() == 23
+    with pytest.raises(ValueError, match="MLA KV layout"):
+        engine_attention_views(torch.zeros(BLOCKS, 8, 2, 12), 8, spec)
 
 
 STATE_DTYPES = {"conv-bf16-recurrent-fp32": (torch.bfloat16, torch.float32),
@@ -221,7 +255,8 @@ GPU_STATES = {"load": ([2, 2, 5], [3, 8, 0]), "save": ([7, 0], [1, 4])}  # (page
 
 @pytest.mark.parametrize("direction", ["load", "save"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("layout_kind", ["vec", "flash"], ids=["cpu-vec", "cuda-flash"])
+@pytest.mark.parametrize("layout_kind", ["vec", "flash", "mla"],
+                         ids=["cpu-vec", "cuda-flash", "mla"])
 @pytest.mark.gpu
 @needs_cuda
 def test_compiled_rows_match_the_torch_path_on_cuda(layout_kind: str, dtype: torch.dtype,

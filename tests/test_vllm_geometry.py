@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from cachetier.vllm.geometry import (GeometryMismatch, attention_block_tokens, config_for_model,
                                      engine_args_for, geometry_differences, model_spec_from_vllm)
 from cachetier.vllm.settings import ConnectorConfigError, ConnectorSettings
+from cachetier.vllm.tiny import write_tiny_full_attention
 
 
 def _engine_config(*, attention_dtype: torch.dtype = torch.bfloat16, kv_heads: int = 2,
@@ -87,21 +88,45 @@ def test_a_two_rank_pool_matches_each_rank_of_a_two_rank_engine(model_dir: Path)
         "model.tp_degree: engine 2, pool 1"]
 
 
-def test_an_engine_without_linear_attention_is_refused() -> None:
-    full_only = _engine_config()
-    full_only = dataclasses.replace(full_only, kv_cache_groups=full_only.kv_cache_groups[3:])
-    with pytest.raises(GeometryMismatch, match="not GDN state \\+ full attention"):
-        model_spec_from_vllm(full_only, tp_degree=1)
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_a_full_attention_engine_matches_the_pool_of_its_model(attention: str,
+                                                              tmp_path: Path) -> None:
+    """What vLLM builds for the tiny full-attention models (seen in real engines): one group of
+    both layers, GQA as `FullAttentionSpec`, MLA as `MLAAttentionSpec` (a FullAttentionSpec too:
+    read as GQA, its 576-wide latent would pass for one head)."""
+    spec = (FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+            if attention == "gqa" else
+            MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))
+    engine = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+    config = config_for_model(write_tiny_full_attention(tmp_path, attention), num_pages=32)
+    model = model_spec_from_vllm(engine, tp_degree=1)
+    assert geometry_differences(config, model, 128, 128) == []
+    assert (model.kda_groups, model.attention_kind) == (0, attention)
+    assert config.cache.page_tokens == 128 and config.geometry.page_bytes == 128 * (
+        2 * 2 * 32 * 2 if attention == "gqa" else 576 * 2)
+    assert "mamba_cache_mode" not in engine_args_for(config)
+    other = config_for_model(write_tiny_full_attention(tmp_path / "other",
+                                                       {"gqa": "mla", "mla": "gqa"}[attention]),
+                             num_pages=32)
+    assert f"model.attention_kind: engine '{attention}', pool '{other.model.attention_kind}'" in (
+        geometry_differences(other, model, 128, 128))
 
 
-def test_an_mla_engine_is_refused_by_name() -> None:
-    """vLLM's MLA spec subclasses its full-attention one: without the check, a Kimi Linear
-    engine's 576-wide latent would read as one GQA head and the refusal would name the wrong
-    fields."""
+def test_mla_beside_a_linear_state_is_refused_by_name() -> None:
+    """A KDA + MLA engine (Kimi Linear): vLLM runs it on GPU kernels only, so its block layout
+    was never checked against an engine here; the refusal says so instead of guessing."""
     mla = MLAAttentionSpec(block_size=1152, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     config = _engine_config()
     config.kv_cache_groups[3] = KVCacheGroupSpec(["model.layers.3.self_attn.attn"], mla)
-    with pytest.raises(GeometryMismatch, match="attention is MLA"):
+    with pytest.raises(GeometryMismatch, match="MLA beside a linear-attention state: KDA \\+ MLA"):
+        model_spec_from_vllm(config, tp_degree=1)
+
+
+def test_an_engine_with_other_groups_is_refused() -> None:
+    config = _engine_config()
+    config = dataclasses.replace(config, kv_cache_groups=config.kv_cache_groups[:3])
+    with pytest.raises(GeometryMismatch, match="neither GDN state \\+ full attention nor full"):
         model_spec_from_vllm(config, tp_degree=1)
 
 

@@ -1,4 +1,5 @@
-"""`CacheTierConnector`: cachetier as vLLM's KV connector for hybrid (GDN + GQA) models.
+"""`CacheTierConnector`: cachetier as vLLM's KV connector for hybrid (GDN + GQA) models and for
+full-attention ones (GQA or MLA).
 
     KVTransferConfig(kv_connector="CacheTierConnector", kv_connector_module_path="cachetier.vllm",
                      kv_role="kv_both", kv_connector_extra_config={...})
@@ -7,10 +8,12 @@ vLLM builds it twice: in the scheduler (`ConnectorScheduler`: lookups, pins, sav
 each worker (`ConnectorWorker`: the copies and the saves' commits). Both refuse to start, with a
 message naming every difference, when the engine does not match the pool: another model (its
 fingerprint), another geometry (groups, heads, dims, dtypes, block size, hash unit, tensor-
-parallel degree: each rank's worker maps its own rank's agent, `ranks`), a mamba cache mode
-other than align (the saves need vLLM's boundary states), or, on CPU, an attention kernel whose
-block layout the copies do not read (`kv_copy.CPU_ATTENTION_ISAS`: vec, vec16 and amx, which
-packs K and V in tiles; the worker views its blocks by the kernel the engine picked).
+parallel degree: each rank's worker maps its own rank's agent, `ranks`), prefix caching off
+(vLLM turns it off itself for MLA on a CPU without AMX, whose MLA kernels cannot resume from a
+cached prefix), a hybrid's mamba cache mode other than align (the saves need vLLM's boundary
+states), or, on CPU, a GQA kernel whose block layout the copies do not read
+(`kv_copy.CPU_ATTENTION_ISAS`: vec, vec16 and amx, which packs K and V in tiles; the worker views
+its blocks by the kernel the engine picked).
 """
 
 from __future__ import annotations
@@ -152,10 +155,14 @@ def _checked_config(settings: ConnectorSettings, vllm_config: Any,
     if pp != 1:
         problems.append(f"pipeline_parallel_size: engine {pp}; the connector serves pipeline "
                         "size 1 (a worker holding only some layers cannot save whole states)")
-    if cache_config.mamba_cache_mode != "align":
+    engine_model = model_spec_from_vllm(kv_cache_config, tp)
+    if not cache_config.enable_prefix_caching:
+        problems.append("enable_prefix_caching: engine False, the connector needs it on (vLLM "
+                        "turns it off for MLA on a CPU without AMX: those kernels cannot resume "
+                        "from a cached prefix)")
+    if engine_model.kda_groups and cache_config.mamba_cache_mode != "align":
         problems.append(f"mamba_cache_mode: engine {cache_config.mamba_cache_mode!r}, the "
                         "connector needs 'align'")
-    engine_model = model_spec_from_vllm(kv_cache_config, tp)
     isa = _cpu_attention_isa(vllm_config, engine_model)
     if isa is not None and isa not in CPU_ATTENTION_ISAS:
         problems.append(f"CPU attention kernel: engine {isa!r}, whose KV block layout the "
@@ -169,11 +176,11 @@ def _checked_config(settings: ConnectorSettings, vllm_config: Any,
 
 
 def _cpu_attention_isa(vllm_config: Any, engine_model: Any) -> str | None:
-    """The kernel family vLLM's CPU attention backend picks for this engine (it decides how a KV
-    block is laid out), or None off CPU."""
+    """The kernel family vLLM's CPU attention backend picks for this GQA engine (it decides how a
+    KV block is laid out), or None off CPU and for MLA (one layout on every backend)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() or engine_model.attention_kind == "mla":
         return None
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

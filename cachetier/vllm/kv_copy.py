@@ -18,6 +18,9 @@ Both sides are seen through typed, strided views of their own buffers (no copy t
   The CUDA flash-attention layout is `[2, blocks, block_tokens, heads, head_dim]`. The pool's
   full-attention page is token-major, each token row this rank's heads one after the other, K
   then V (`gpu_pool.layout`).
+- vLLM's MLA layer (DeepSeek-style full-attention models), one latent per token, token-major
+  (`[blocks, 1, block_tokens, latent]`) on every backend, as the pool's MLA page: rows move as
+  they are, a one-part `AttentionViews`.
 - vLLM's GDN layer, one raw block per state: the conv part first (`[kernel - 1, channels]`, vLLM's
   default "SD" conv layout), then the recurrent part (`[heads, V, K]`), as its hybrid allocator
   packs them. The pool's state page has the same order, conv rows channel-major (`[channels,
@@ -55,12 +58,19 @@ from kernels.tile_copy import tile_copy
 class AttentionViews:
     """K and V, each addressed by (block or page, token row). An untiled part (tile 1) is
     `[blocks, tokens, heads, head_dim]`; a tiled one `[blocks, tokens // tile, tile, heads, ...]`,
-    its head dim split as its tile packs it, so a row is `[heads, ...]` in either."""
+    its head dim split as its tile packs it, so a row is `[heads, ...]` in either. An MLA layer
+    caches one latent per token and no V: it is `keys` alone, `[blocks, tokens, 1, latent]`."""
 
     keys: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None = None
     key_tile: int = 1
     value_tile: int = 1
+
+    @property
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        """Each cached part with its tile: K and V, or the latent."""
+        parts = [(self.keys, self.key_tile)]
+        return parts if self.values is None else [*parts, (self.values, self.value_tile)]
 
     @property
     def tiled(self) -> bool:
@@ -81,7 +91,19 @@ AMX_VALUE_TILE = 2  # tokens side by side in its V tiles
 def engine_attention_views(kv: torch.Tensor, block_tokens: int, model: ModelSpec,
                            isa: str | None = None) -> AttentionViews:
     """`isa` is the CPU attention kernel family vLLM picked (None off CPU): it decides the
-    layout inside a CPU block."""
+    layout inside a CPU GQA block. An MLA block is token-major on every backend vLLM has for it
+    (CUDA's and both CPU ones, `amx_mla_concat_and_cache` and the reference's): one latent per
+    token, `kv_lora_rank` then the rope part, as the pool's. vLLM registers it as `[blocks, 1,
+    block_tokens, latent]` (its logical `[B, H, N, C]` with one head; seen on the AMX backend)
+    or `[blocks, block_tokens, latent]`: indexing the head away keeps whatever strides it has."""
+    if model.attention_kind == "mla":
+        latent = model.mla_latent_dim
+        if kv.dim() == 4 and kv.shape[1:] == (1, block_tokens, latent):
+            kv = kv[:, 0]
+        if kv.dim() == 3 and kv.shape[1:] == (block_tokens, latent):
+            return AttentionViews(kv.unsqueeze(2))
+        raise ValueError(f"unknown vLLM MLA KV layout {tuple(kv.shape)} for a latent of "
+                         f"{model.mla_latent_dim} and {block_tokens}-token blocks")
     heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
     if kv.dim() == 4 and kv.shape[1:] == (heads, block_tokens, 2 * dim):  # CPU: head-major
         if isa not in CPU_ATTENTION_ISAS:
@@ -120,8 +142,11 @@ def engine_state_views(raw: torch.Tensor, model: ModelSpec) -> StateViews:
 
 def pool_attention_views(buffer: torch.Tensor, layout: PageLayout, slot: int) -> AttentionViews:
     model = layout.model
-    heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
     raw = buffer[slot, :, :layout.geometry.mla_page_bytes].view(layout.mla_dtype)
+    if model.attention_kind == "mla":
+        return AttentionViews(raw.view(layout.num_pages, layout.cache.page_tokens, 1,
+                                       model.mla_latent_dim))
+    heads, dim = model.attn_heads_per_rank, model.gqa_head_dim
     split = raw.view(layout.num_pages, layout.cache.page_tokens, heads, 2, dim)
     return AttentionViews(split[:, :, :, 0], split[:, :, :, 1])
 
@@ -181,14 +206,13 @@ def rows_to_pool(engine: AttentionViews, pool: AttentionViews, rows: TokenRows) 
 
 def _copy_rows(dst: AttentionViews, dst_at: tuple[torch.Tensor, torch.Tensor],
                src: AttentionViews, src_at: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """`dst[dst_at[0][i], dst_at[1][i]] = src[src_at[0][i], src_at[1][i]]` for every row, K and V:
-    one indexed copy each, on the destination's device."""
+    """`dst[dst_at[0][i], dst_at[1][i]] = src[src_at[0][i], src_at[1][i]]` for every row, of
+    each part (K and V, or the latent): one indexed copy each, on the destination's device."""
     if not len(dst_at[0]):
         return
     into = tuple(v.to(dst.keys.device) for v in dst_at)
     out_of = tuple(v.to(src.keys.device) for v in src_at)
-    for (d, d_tile), (s, s_tile) in (((dst.keys, dst.key_tile), (src.keys, src.key_tile)),
-                                     ((dst.values, dst.value_tile), (src.values, src.value_tile))):
+    for (d, d_tile), (s, s_tile) in zip(dst.parts, src.parts, strict=True):
         rows = s[_row_index(out_of, s_tile)]
         d[_row_index(into, d_tile)] = rows.reshape(-1, *d.shape[2 if d_tile == 1 else 3:]).to(
             d.device)
@@ -267,8 +291,9 @@ def _backend(src: torch.Tensor, dst: torch.Tensor) -> Backend:
 
 def _move_rows(dst: Sequence[AttentionViews], dst_at: tuple[torch.Tensor, torch.Tensor],
                src: Sequence[AttentionViews], src_at: tuple[torch.Tensor, torch.Tensor]) -> Backend:
-    """K and V of every layer as parts of one `tile_copy` (a token row's `[heads, head_dim]` is a
-    tile; K and V launch apart only when their strides allow different words, vLLM's CPU K)."""
+    """K and V (or the latent) of every layer as parts of one `tile_copy` (a token row's
+    `[heads, head_dim]` is a tile; K and V launch apart only when their strides allow different
+    words, vLLM's CPU K)."""
     pairs = list(zip(src, dst))
     if not pairs:
         return "torch"
@@ -280,8 +305,8 @@ def _move_rows(dst: Sequence[AttentionViews], dst_at: tuple[torch.Tensor, torch.
             _copy_rows(d, dst_at, s, src_at)
     else:
         jobs = torch.stack([*src_at, *dst_at], dim=1)
-        tile_copy([(s.keys, d.keys) for s, d in pairs] + [(s.values, d.values) for s, d in pairs],
-                  jobs)
+        tile_copy([(s_part, d_part) for s, d in pairs
+                   for (s_part, _), (d_part, _) in zip(s.parts, d.parts, strict=True)], jobs)
     return backend
 
 

@@ -13,7 +13,9 @@ than vLLM's local one is released at once.
 Saves follow vLLM's align mode: each step, vLLM hands over the exact blocks holding the state
 at every boundary it kept (`kv_connector_block_state.boundary_state_offloads`: its attention
 block ends and each prompt's last hash-unit boundary). Each boundary inside the prompt becomes a
-`SaveJob` for the worker, which writes it after that step's forward pass.
+`SaveJob` for the worker, which writes it after that step's forward pass. A full-attention model
+has no state to hand over, and every prefix of its KV is a place to resume: each step, a request
+whose computed prompt tokens crossed a hash-unit boundary saves up to its deepest one.
 """
 
 from __future__ import annotations
@@ -158,9 +160,37 @@ class ConnectorScheduler:
             if tracked is not None:
                 tracked.scheduled = True
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        if block_state is not None and block_state.boundary_state_offloads:
+        if block_state is None:
+            return meta
+        if "linear" not in self.groups:
+            meta.saves.extend(self._attention_saves(scheduler_output.num_scheduled_tokens,
+                                                    block_state))
+        elif block_state.boundary_state_offloads:
             meta.saves.extend(self._saves(block_state))
         return meta
+
+    def _attention_saves(self, scheduled: dict[str, int], block_state: Any) -> list[SaveJob]:
+        """A full-attention model's saves: the prompt up to the deepest hash-unit boundary its
+        computed tokens reach once this step's pass has run (vLLM counts them after this call),
+        for each request whose step crosses one (what it computed before, its local or tier hit
+        included, is held already) beyond what it saved."""
+        width = hash_len(self.config.cache.hash_algo)
+        jobs = []
+        for rid, tokens in scheduled.items():
+            tracked = self._tracked.get(rid)
+            block_ids = block_state.get_block_ids(rid)
+            if tracked is None or block_ids is None:
+                continue
+            prompt, before = tracked.request.num_prompt_tokens, tracked.request.num_computed_tokens
+            boundary = min(before + tokens, prompt) // self.block * self.block
+            if boundary <= max(tracked.saved_boundary, before // self.block * self.block):
+                continue
+            jobs.append(SaveJob(rid, boundary, prompt,
+                                tracked.hashes[:boundary // self.block * width], [],
+                                tuple(list(ids) for ids in block_ids)))
+            tracked.saved_boundary = boundary
+            tracked.report["cachetier_saved_boundaries"] += 1
+        return jobs
 
     def _saves(self, block_state: Any) -> list[SaveJob]:
         linear = [g for g, kind in enumerate(self.groups) if kind == "linear"]

@@ -89,6 +89,7 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self.config.model
         self._device = next(iter(kv_caches.values())).device
+        _allow_amx_tiles(self._device)
         for g, (kind, names) in enumerate(zip(self.groups, self.layer_names)):
             tensors = [kv_caches[name] for name in names]
             if kind == "full":
@@ -292,6 +293,16 @@ class ConnectorWorker:
         if kind is None:
             return CommitItem(plan.rid, plan.stop)
         return CommitItem(plan.rid, plan.stop, plan.checkpoint_tokens, kind=kind)
+
+
+def _allow_amx_tiles(device: torch.device) -> None:
+    """Ask Linux for this process's AMX tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, through
+    torch) before any forward pass: vLLM's CPU AMX attention kernel does not ask for it itself.
+    An engine whose first pass was a restored request with fewer than 16 tokens left to compute
+    (an exact resend) died of SIGILL in that kernel; after one ordinary prefill in the process,
+    the same pass ran (measured on the tiny GQA model: only a connector makes such a first pass)."""
+    if device.type == "cpu" and torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
 
 
 def state_blocks(table: list[int], hit_tokens: int, block_tokens: int) -> list[int]:
