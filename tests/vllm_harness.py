@@ -36,10 +36,12 @@ def run_engine(model: Path, workdir: Path, name: str, steps: list[list[dict[str,
                info: Path | None, max_tokens: int = 8,
                engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
     """One engine process over `steps`, in order: every request's result, by id (`EngineFailed`,
-    with the engine's log, if it did not start or failed a step)."""
+    with the engine's log, if it did not start or failed a step). The engine core runs in the
+    engine's process (`EngineProcess`'s `single_process`): spawned engine cores and workers were
+    most of the suite's time. `bench vllm` and the OpenAI servers keep vLLM's processes."""
     results: dict[str, Any] = {}
-    with EngineProcess(model, workdir / f"{name}.log", info=info,
-                       engine_args=engine_args) as engine:
+    with EngineProcess(model, workdir / f"{name}.log", info=info, engine_args=engine_args,
+                       single_process=True) as engine:
         for step in steps:
             results.update(engine.step(step, max_tokens)["requests"])
     return results
