@@ -101,6 +101,7 @@ class EngineProcess:
         try:
             if not self._results.poll(timeout_s):
                 self._proc.kill()
+                self._proc.join()
                 raise EngineFailed(f"engine did not answer within {timeout_s} s", self.log())
             message = json.loads(self._results.recv_bytes())
         except EOFError:
