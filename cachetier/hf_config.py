@@ -10,8 +10,8 @@ qk_rope_head_dim`). Full-attention models are understood too, with no linear-att
 `qk_rope_head_dim`) and grouped-query attention (Llama, Qwen3: `num_attention_heads`,
 `num_key_value_heads`, `head_dim`), every layer a full-attention one. Layers are grouped as the
 unified page needs them, `gcd(linear, full)` layers per group (one group of every layer for a
-full-attention model). Only model fields come from the file: the tensor-parallel degree and the whole
-`CacheSpec` stay the preset's. Every missing or unsupported field is an `HfConfigError` naming
+full-attention model). Only model fields come from the file: the tensor-parallel degree and the
+whole `CacheSpec` stay the preset's. Every missing or unsupported field is an `HfConfigError` naming
 `hf_config.<key>` (`cachetier.config` turns it into its `ConfigError`; this module stays below
 it, so the configuration does not import in a circle).
 """
@@ -60,11 +60,7 @@ def hf_model_fields(path: str | Path) -> dict[str, Any]:
     if "kv_lora_rank" in data:
         return _full_attention(data, _mla_fields(data))
     if "num_attention_heads" in data:
-        return _full_attention(data, {"attention_kind": "gqa", "mla_latent_dim": 0,
-                                      "gqa_kv_heads": _int(data, "num_key_value_heads")
-                                      if "num_key_value_heads" in data
-                                      else _int(data, "num_attention_heads"),
-                                      "gqa_head_dim": _head_dim(data)})
+        return _full_attention(data, _gqa_fields(data))
     raise HfConfigError("hf_config.model_type", f"unsupported model {data.get('model_type')!r}: "
                         "neither a Gated DeltaNet config (linear_num_value_heads), a Kimi "
                         "Linear one (linear_attn_config), nor a full-attention one (kv_lora_rank "
@@ -91,6 +87,14 @@ def _mla_fields(data: Mapping[str, Any]) -> dict[str, Any]:
             "gqa_kv_heads": 0, "gqa_head_dim": 0}
 
 
+def _gqa_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Grouped-query attention's KV heads: `num_key_value_heads`, or every attention head where a
+    config leaves it out (Hugging Face's convention for multi-head attention)."""
+    kv_heads = "num_key_value_heads" if "num_key_value_heads" in data else "num_attention_heads"
+    return {"attention_kind": "gqa", "mla_latent_dim": 0, "gqa_kv_heads": _int(data, kv_heads),
+            "gqa_head_dim": _head_dim(data)}
+
+
 def _gated_deltanet(data: Mapping[str, Any]) -> dict[str, Any]:
     layers = _int(data, "num_hidden_layers")
     kinds = data.get("layer_types")
@@ -105,7 +109,6 @@ def _gated_deltanet(data: Mapping[str, Any]) -> dict[str, Any]:
         raise HfConfigError("hf_config.layer_types", f"unsupported layer types {sorted(unknown)}")
     dtype = _dtype(data)
     return {"name": str(data.get("model_type", "hf")), "linear_kind": "gdn",
-            "attention_kind": "gqa",
             **_groups(kinds.count("linear_attention"), kinds.count("full_attention")),
             "kda_heads": _int(data, "linear_num_value_heads"),
             "kda_key_heads": _int(data, "linear_num_key_heads"),
@@ -113,8 +116,7 @@ def _gated_deltanet(data: Mapping[str, Any]) -> dict[str, Any]:
             "kda_head_v_dim": _int(data, "linear_value_head_dim"),
             "kda_state_dtype": _dtype(data, "mamba_ssm_dtype", dtype),
             "conv_kernel": _int(data, "linear_conv_kernel_dim"), "conv_dtype": dtype,
-            "mla_latent_dim": 0, "gqa_kv_heads": _int(data, "num_key_value_heads"),
-            "gqa_head_dim": _head_dim(data), "mla_dtype": dtype}
+            **_gqa_fields(data), "mla_dtype": dtype}
 
 
 def _kimi_linear(data: Mapping[str, Any]) -> dict[str, Any]:

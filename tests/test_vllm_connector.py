@@ -32,8 +32,8 @@ from cachetier.vllm.oracle import compare
 from cachetier.vllm.tiny import write_tiny_qwen3_next
 from gpu_pool import PagedPool
 from tests.vllm_fault_connector import KILL_PID_ENV
-from tests.vllm_harness import (check_no_pins, pinned_hit, request, run_engine, tokens,
-                                vllm_cluster)
+from tests.vllm_harness import (assert_reference_outputs, check_no_pins, pinned_hit, request,
+                                run_engine, tokens, vllm_cluster)
 
 PAGE = 1152  # vLLM's attention block for the tiny model, the pool's page
 UNIT = FINE_HASH_UNIT  # the hash unit: vLLM keeps a state at each prompt's last UNIT boundary
@@ -109,11 +109,7 @@ def _tail(prompt: list[int]) -> int:
 
 def test_engine_b_serves_engine_a_prefixes_with_the_reference_outputs(
         served: dict[str, Any]) -> None:
-    reference = served["reference"]
-    for engine in ("a", "b"):
-        for rid, result in served[engine].items():
-            verdict = compare(result, reference[rid])
-            assert verdict.ok, f"engine {engine} {rid}: {verdict}"
+    assert_reference_outputs({"a": served["a"], "b": served["b"]}, served["reference"])
     b = served["b"]
     # B started cold: what it restored of A's work came through the tier
     # resumed at the deepest boundary A kept: the resend at its own tail (3,200, inside a

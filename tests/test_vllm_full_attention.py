@@ -37,8 +37,8 @@ from cachetier.vllm.kv_copy import pool_attention_views
 from cachetier.vllm.oracle import compare
 from cachetier.vllm.tiny import write_tiny_full_attention
 from gpu_pool import PagedPool
-from tests.vllm_harness import (check_no_pins, pinned_hit, request, run_engine, tokens,
-                                vllm_cluster)
+from tests.vllm_harness import (assert_reference_outputs, check_no_pins, pinned_hit, request,
+                                run_engine, tokens, vllm_cluster)
 
 UNIT = FINE_HASH_UNIT  # the hash unit, and here vLLM's block and the pool's page as well
 SYSTEM = tokens(1, 700)  # ends part-way through a page
@@ -100,11 +100,8 @@ def _hit_for(prompt: list[int], saved: int) -> int:
 
 
 def test_engine_b_resumes_from_engine_a_at_every_saved_boundary(family: dict[str, Any]) -> None:
-    reference = family["reference"]
-    for engine in ("a", "b"):
-        for rid, result in family[engine].items():
-            verdict = compare(result, reference[rid])
-            assert verdict.ok, f"{family['attention']} engine {engine} {rid}: {verdict}"
+    assert_reference_outputs({"a": family["a"], "b": family["b"]}, family["reference"],
+                             f"{family['attention']} ")
     b = family["b"]
     # B started cold: the resend comes from the tier whole; the fork's next turn finds the
     # system prompt's whole units in B's own cache (the resend's) and the rest in the tier

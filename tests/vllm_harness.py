@@ -28,6 +28,7 @@ from cachetier.run.cluster import POOL, Cluster
 from cachetier.run.vllm_cluster import vllm_cluster_settings
 from cachetier.vllm.engine_run import EngineProcess
 from cachetier.vllm.info import connector_info, write_info
+from cachetier.vllm.oracle import compare
 from index.hashing import chain_hashes, namespace_root
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
@@ -61,6 +62,15 @@ def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int,
                                   model_dir=model_dir,
                                   config=settings.config, kv_events_endpoint=kv_events_endpoint))
         yield running
+
+
+def assert_reference_outputs(engines: dict[str, dict[str, Any]], reference: dict[str, Any],
+                             label: str = "") -> None:
+    """Every request each engine served gave the reference engine's outputs (`oracle.compare`)."""
+    for engine, results in engines.items():
+        for rid, result in results.items():
+            verdict = compare(result, reference[rid])
+            assert verdict.ok, f"{label}engine {engine} {rid}: {verdict}"
 
 
 def tokens(seed: int, count: int) -> list[int]:
