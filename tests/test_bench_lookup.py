@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from redis.asyncio import Redis
 
+from cachetier.bench.lookup_phases import phase_library, phase_times
 from cachetier.cli import main
+from index.scripts import library
 from tests.redis_harness import all_keys
 
 CASE_KEYS = {"tokens", "batch", "p50_us", "p99_us", "rtt_p50_us", "ratio_p50", "hash_ms",
@@ -68,3 +72,53 @@ def test_bad_sizes_are_refused_before_any_work(capsys: pytest.CaptureFixture[str
     code, out, err = bench(capsys, "--quick", "--redis", "redis://127.0.0.1:1", *flags)
     assert code == 2 and out == ""
     assert f"cachetier: {field}:" in err
+
+
+PHASES = ["meta", "batch", "validate", "match", "size", "capacity", "pins", "evict", "reserve",
+          "restore", "slots", "record", "answer", "writes", "reply"]
+
+
+def libraries(url: str) -> set[str]:
+    async def names() -> set[str]:
+        async with Redis.from_url(url) as client:
+            listed = await client.execute_command("FUNCTION", "LIST")
+            return {entry[b"library_name"].decode() for entry in listed}
+    return asyncio.run(names())
+
+
+def test_phases_split_the_step_script_where_its_markers_say(capsys: pytest.CaptureFixture[str],
+                                                            redis_url: str) -> None:
+    before_keys, before_libraries = all_keys(redis_url), libraries(redis_url)
+    code, out, err = bench(capsys, "--json", "--quick", "--repeats", "5", "--phases",
+                           "--redis", redis_url, "--tokens", "4096", "--batches", "1", "4")
+    assert code == 0, err
+    for case in json.loads(out)["cases"]:
+        phases = case["phases_us_per_request"]
+        assert list(phases) == PHASES  # every marker of plan_step.lua, in its order
+        assert all(us >= 0 for us in phases.values())
+        assert phases["meta"] > 0 and case["phase_probe_us"] >= 0  # an HMGET is never free
+        assert case["phases_sum_us_per_request"] == pytest.approx(sum(phases.values()), abs=0.1)
+        assert case["phases_call_us_per_request"] > 0
+    assert "4096 tokens x 4: phases, us per request: meta" in err
+    # neither the probed library nor any key outlives the run; cachetier's own stays loaded
+    assert all_keys(redis_url) == before_keys
+    own = library().source.split("\n", 1)[0].removeprefix("#!lua name=")
+    after = libraries(redis_url)
+    assert own in after and after - before_libraries <= {own}
+
+
+def test_phase_times_add_up_each_phase_over_the_call() -> None:
+    trace = [b"start", 100, b"probe", 102, b"match", 110, b"size", 111, b"match", 117, b"reply", 130]
+    assert phase_times(trace) == {"probe": 2, "match": 8 + 6, "size": 1, "reply": 13}
+    with pytest.raises(RuntimeError, match="origin"):
+        phase_times(trace[2:])
+
+
+def test_the_loaded_library_keeps_its_markers_as_comments() -> None:
+    plain, probed = library().source, phase_library()
+    assert "phase_mark" not in plain and "-- phase end: meta" in plain
+    markers = plain.count("-- phase end: ")
+    assert probed.source.count("phase_mark(\"") == markers + 2  # the origin reads twice
+    assert "-- phase end: " not in probed.source.split(probed.step_function, 1)[1].split(
+        "redis.register_function", 1)[0]
+    assert probed.step_function not in plain and probed.name not in plain  # no name shared

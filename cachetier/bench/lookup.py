@@ -15,6 +15,10 @@ and the client spend on the arguments before any Lua runs; `noop_ratio_p50` is t
 commandstats`: the bare round trip goes as EVALSHA_RO, so FCALL's microseconds are the step's
 alone) per request says how close the step is to that floor, apart from the client's share. The
 no-op's library is deleted afterwards; cachetier's own stays loaded, as on any server it used.
+
+With `--phases`, each case then runs as many steps again through a copy of the library whose
+phase markers read the server's clock (`cachetier.bench.lookup_phases`): where the step's server
+time goes, per request and phase.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from typing import Any
 import numpy as np
 from redis.asyncio import ConnectionPool, Redis
 
+from cachetier.bench.lookup_phases import PhaseLibrary, measure_phases, phase_library, summarize_phases
+from cachetier.bench.script_stats import STEP_COMMAND, script_stats, stats_delta
 from cachetier.config import Config, ConfigError, add_config_arguments, config_from_args
 from cachetier.run.servers import RedisServer
 from index.hashing import chain_hashes, hash_len, namespace_root
@@ -46,9 +52,6 @@ TOKENS = (4096, 131072, 1048576)
 BATCHES = (1, 64)
 QUICK_TOKENS = (4096, 16384)
 QUICK_BATCHES = (1, 4)
-SCRIPT_COMMANDS = ("cmdstat_fcall", "cmdstat_fcall_ro", "cmdstat_evalsha", "cmdstat_evalsha_ro",
-                   "cmdstat_eval", "cmdstat_eval_ro")
-STEP_COMMAND = "cmdstat_fcall"  # plan_step's and the no-op's; the bare round trip is EVALSHA_RO
 BARE_SCRIPT = "return 1"
 NOOP_LIBRARY = "cachetier_bench_noop"
 NOOP_SOURCE = (f"#!lua name={NOOP_LIBRARY}\n"
@@ -132,28 +135,6 @@ class SendCounter:
                 await super().send_packed_command(command, check_health)
 
         pool.connection_class = CountingConnection
-
-
-ScriptStats = dict[str, tuple[int, int]]
-
-
-async def script_stats(client: Redis) -> ScriptStats:
-    """Per EVAL-type command, the scripts the server has run so far and the microseconds it spent
-    in them: the server's own view of a step's round trips (the commands a script runs inside are
-    not round trips and are not counted here) and of the share of its latency spent in Lua."""
-    stats = await client.info("commandstats")
-    return {name: (int(stats[name]["calls"]), int(stats[name]["usec"]))
-            for name in SCRIPT_COMMANDS if name in stats}
-
-
-def stats_delta(before: ScriptStats, after: ScriptStats,
-                names: Sequence[str] = SCRIPT_COMMANDS) -> tuple[int, int]:
-    """Scripts run and microseconds spent between two snapshots, over the commands `names`."""
-    calls = usec = 0
-    for name in names:
-        (c0, u0), (c1, u1) = before.get(name, (0, 0)), after.get(name, (0, 0))
-        calls, usec = calls + c1 - c0, usec + u1 - u0
-    return calls, usec
 
 
 def conversation_tokens(seed: int, tokens: int) -> np.ndarray:
@@ -281,13 +262,17 @@ async def one_step(index: PrefixIndex, probes: Probes, counter: SendCounter,
         samples.scripts += calls - 1  # the bare round trip's script
 
 
+def next_turns(blobs: Sequence[bytes], case: Case) -> list[StepRequest]:
+    """The measured step: every conversation's second turn, its last STEP_TOKENS to compute."""
+    return [StepRequest(f"c{n}.turn2", STEP_TOKENS, case.tokens, blob) for n, blob in enumerate(blobs)]
+
+
 async def run_steps(index: PrefixIndex, counter: SendCounter, blobs: Sequence[bytes],
                     case: Case) -> Samples:
     """Warm-up, then the timed steps; collection is paused meanwhile and run between steps, so a
     garbage-collection pause never lands inside a timed call."""
     hit = case.tokens - STEP_TOKENS
-    requests = [StepRequest(f"c{n}.turn2", STEP_TOKENS, case.tokens, blob)
-                for n, blob in enumerate(blobs)]
+    requests = next_turns(blobs, case)
     probes = Probes(await index.redis.script_load(BARE_SCRIPT), *index.step_arguments(requests))
     samples = Samples()
     gc.disable()
@@ -321,9 +306,10 @@ def summarize(case: Case, samples: Samples, hashing_ms: float) -> dict[str, Any]
             "hit_tokens": case.tokens - STEP_TOKENS, "steps": case.reps}
 
 
-async def measure(client: Redis, counter: SendCounter, config: Config, case: Case) -> dict[str, Any]:
+async def measure(client: Redis, counter: SendCounter, config: Config, case: Case,
+                  phases: PhaseLibrary | None = None) -> dict[str, Any]:
     """One case in its own fresh pool, whose keys are deleted afterwards (a shared Redis is left
-    as it was found)."""
+    as it was found); with `phases`, its steps again through that instrumented library."""
     config = case_config(config, case)
     root = namespace_root(config.model.name)
     block, algo = config.cache.hash_block_tokens, config.cache.hash_algo
@@ -337,6 +323,9 @@ async def measure(client: Redis, counter: SendCounter, config: Config, case: Cas
         await serve_first_turns(index, blobs, case.tokens - STEP_TOKENS)
         hashing_ms = hash_ms(conversation_tokens(0, case.tokens), root, config)
         samples = await run_steps(index, counter, blobs, case)
+        if phases is not None:
+            traced = await measure_phases(client, phases, index, next_turns(blobs, case),
+                                          case.tokens - STEP_TOKENS, case.reps, case.warmup)
     finally:
         await index.drop()
     result = summarize(case, samples, hashing_ms)
@@ -344,6 +333,12 @@ async def measure(client: Redis, counter: SendCounter, config: Config, case: Cas
              f"{result['p99_us']} us, round trip {result['rtt_p50_us']} us, "
              f"ratio {result['ratio_p50']} (no-op floor {result['noop_ratio_p50']}), server "
              f"{result['server_us_per_request']} us per request")
+    if phases is not None:
+        result.update(summarize_phases(traced, case.batch))
+        progress(f"{case.tokens} tokens x {case.batch}: phases, us per request: "
+                 + ", ".join(f"{n} {us}" for n, us in result["phases_us_per_request"].items())
+                 + f"; sum {result['phases_sum_us_per_request']} of the call's "
+                 f"{result['phases_call_us_per_request']}")
     return result
 
 
@@ -380,6 +375,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_case_arguments(parser, (TOKENS, BATCHES), "timed steps per case (default: 200, fewer for the largest)")
     parser.add_argument("--quick", action="store_true",
                         help="small prompts and batches, few steps: a smoke run for tests")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each phase of the step script inside Redis (a probed "
+                             "copy of the library, loaded for the run)")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -393,11 +391,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         client = Redis(connection_pool=pool)
         try:
             version = (await client.info("server"))["redis_version"]
+            phases = phase_library() if args.phases else None
             await client.execute_command("FUNCTION", "LOAD", "REPLACE", NOOP_SOURCE)
+            if phases is not None:
+                await client.execute_command("FUNCTION", "LOAD", "REPLACE", phases.source)
             try:
-                results = [await measure(client, counter, config, case) for case in cases]
+                results = [await measure(client, counter, config, case, phases) for case in cases]
             finally:
                 await client.execute_command("FUNCTION", "DELETE", NOOP_LIBRARY)
+                if phases is not None:
+                    await client.execute_command("FUNCTION", "DELETE", phases.name)
         finally:
             await client.aclose(close_connection_pool=True)
     return {"cases": results, "redis_version": version, "preset": args.preset}

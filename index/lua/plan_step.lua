@@ -34,15 +34,21 @@
 -- Order matters (DESIGN.md invariant 1): every hit of the step is pinned before the first
 -- eviction or allocation, so allocating for one request can never evict what another just hit.
 
-local COPY_FORMAT = "<I4I4I8I8"  -- index/store.py COPY_DTYPE
+-- The `-- phase` lines mark where each phase of the script ends, for `cachetier bench lookup
+-- --phases` (cachetier/bench/lookup_phases.py); here they are comments and cost nothing.
+
+local COPY_FORMAT = "<I4I4I8I8"  -- index/store.py COPY_FORMAT
+-- phase start
 local epoch_arg, batch_blob = ARGV[1], ARGV[2]
 local m = load_meta(epoch_arg)
 local nonce = check_nonce(ARGV[#ARGV])
+-- phase end: meta
 local batch = unpack_arg(batch_blob, "batch")
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 local PT = B * PB
 if #batch == 0 then fail("BADINPUT", "empty step: nothing to plan") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
+-- phase end: batch
 
 -- The two-stage lookup (match_prefix) comes from match.lua, shared with probe and pin_prefix.
 
@@ -94,11 +100,13 @@ local plans, seen, need = {}, {}, 0
 for n, item in ipairs(batch) do
   local r, blob = check_request(item, seen)
   local p = {item = item, r = r, blob = blob, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
+  -- phase end: validate
   if r == nil then
     local depth, e
     depth, p.hit, p.ckpt, e, p.ready = match_prefix(m, item.tokens, blob)
     p.match = depth * B
     if p.hit > 0 then hit_pages(p, e) end
+    -- phase end: match
     -- A hit at the deepest boundary a hit can reach restores the checkpoint the prompt keeps
     -- there (its turn end, or an aligned prompt's resend point): it is kept (phase B).
     local deepest_hit = math.floor((item.tokens - 1) / B)
@@ -123,6 +131,7 @@ for n, item in ipairs(batch) do
   need = need + p.new_slots * m.mla_groups
   if p.want_ckpt then need = need + m.kda_groups end
   plans[n] = p
+  -- phase end: size
 end
 
 -- With too few free pages, a lower bound on what eviction can free: every member frees at least
@@ -148,6 +157,7 @@ if free < need then
                   " are free or evictable", need = need, available = available})
   end
 end
+-- phase end: capacity
 
 -- Phase B: pin every hit, then evict, then allocate.
 m.tick = m.tick + 1
@@ -164,12 +174,15 @@ for _, p in ipairs(plans) do
     if rec.cls == "intermediate" or rec.cls == "superseded" then reclass(m, p.ckpt, rec, p.turn_end) end
   end
 end
+-- phase end: pins
 local removed = {}
 while free < need do
   if not evict_one(m, removed) then error("CT_CORRUPT eviction ran dry after the capacity check") end
   free = free_count(m)
 end
+-- phase end: evict
 reserve(need)  -- every page set this step allocates, in one LPOP
+-- phase end: reserve
 
 local reqh_pairs, req_pairs = {}, {}  -- written once each, after the loop
 -- The page sets allocated in this step, lead -> ids: the reply names them without reading their
@@ -213,6 +226,7 @@ for n, p in ipairs(plans) do
   local rid = p.item.rid
   local copies = {}
   local r = p.r or start_request(p, rid, copies)
+  -- phase end: restore
   for s = 1, p.new_slots do
     local lead, ids = new_set("M", m.mla_groups, rid)
     r.own[#r.own + 1] = lead
@@ -223,12 +237,14 @@ for n, p in ipairs(plans) do
       end
     end
   end
+  -- phase end: slots
   r.ck = -1
   if p.want_ckpt then r.ck = new_set("K", m.kda_groups, rid) end
   r.stop = p.stop
   r.tix[#r.tix + 1] = m.ticket + 1
   req_pairs[#req_pairs + 1], req_pairs[#req_pairs + 2] = rid, cmsgpack.pack(r)
   lease(rid, p.item.lease)
+  -- phase end: record
   rids[n] = rid
   local own, state, ckpt = {}, "", ""
   for i, lead in ipairs(r.own) do own[i] = pack_ids(fresh_sets[lead] or mla_pages(m, lead)) end
@@ -237,10 +253,14 @@ for n, p in ipairs(plans) do
   out[n] = {rid = rid, hit = r.hit, match = r.mt, start = p.start, stop = p.stop, shared = r.spath,
             own = table.concat(own), state = state, ckpt = ckpt,
             ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0, copies = table.concat(copies)}
+  -- phase end: answer
 end
 hset_pairs(K_REQ, req_pairs)
 hset_pairs(K_REQH, reqh_pairs)
 local ticket = new_ticket(m, rids, nonce)
 save_meta(m)
-return reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out,
-              evicted = #removed, removed = removed})
+-- phase end: writes
+local answer = reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out,
+                      evicted = #removed, removed = removed})
+-- phase end: reply
+return answer
