@@ -16,11 +16,11 @@ the time to well within a lease.
 from __future__ import annotations
 
 import re
+import struct
 import time
 from typing import Any, Callable, Sequence
 
 import msgpack
-import numpy as np
 from redis.asyncio import Redis
 
 from cachetier.config import Config
@@ -102,7 +102,7 @@ class PrefixIndex:
         this view is the pool's afterwards."""
         args = [seen.epoch, seen.writes, seen.ticket, fresh_epoch, holder]
         raw = await self._script("reconcile_pool", args)
-        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        reply = _decoded(raw)
         self.epoch = max(self.epoch, reply["epoch"])  # replies of calls in flight may be later
         self.writes = max(self.writes, reply["wc"])
         self.ticket = max(self.ticket, reply["ticket"])
@@ -179,11 +179,11 @@ class PrefixIndex:
             at += len(group)
         return results
 
-    def _committed(self, r: dict[str, Any]) -> CommittedRequest:
-        stored = r["stored"]
+    def _committed(self, r: dict[bytes, Any]) -> CommittedRequest:
+        stored = r[b"stored"]
         hashes = [stored[i:i + self._hash_len] for i in range(0, len(stored), self._hash_len)]
-        return CommittedRequest(r["rid"].decode(), r["endpoints"], r["ckpt"].decode(), hashes,
-                                r["parent"] or None, r["ckh"] or None)
+        return CommittedRequest(r[b"rid"].decode(), r[b"endpoints"], r[b"ckpt"].decode(), hashes,
+                                r[b"parent"] or None, r[b"ckh"] or None)
 
     async def release(self, rids: Sequence[str]) -> ReleaseResult:
         reply = await self._call("release", [_pack(list(rids))])
@@ -229,7 +229,7 @@ class PrefixIndex:
         in an epoch before the view's speaks of void pages and reports no hit. Either way it only
         advises a router: a plan on the master decides what is served, so no replica's answer
         ever becomes a hit."""
-        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        reply = _decoded(raw)
         if replica and reply["epoch"] < view.epoch:
             return PrefixProbe(self.pool_id, view.epoch, 0, 0)
         if not replica:
@@ -242,7 +242,7 @@ class PrefixIndex:
         pool is (it does not refresh `epoch`: a caller's pins are told stale by its next call)."""
         view = self.view
         raw = await self._script("stats", [])
-        reply = self._checked(view, _decode_keys(msgpack.unpackb(raw, raw=True)))
+        reply = self._checked(view, _decoded(raw))
         del reply["wc"]
         return IndexStats(**reply)
 
@@ -269,7 +269,7 @@ class PrefixIndex:
             raise
         if not decode:
             return raw
-        reply = _decode_keys(msgpack.unpackb(raw, raw=True))
+        reply = _decoded(raw)
         self.writes = max(self.writes, reply["wc"])
         if isinstance(reply.get("ticket"), int):
             self.ticket = max(self.ticket, reply["ticket"])
@@ -371,13 +371,12 @@ def _pack(value: object) -> bytes:
     return msgpack.packb(value, use_bin_type=False)
 
 
-def _decode_keys(value: Any) -> Any:
-    """Script replies are packed with byte-string keys; hashes stay bytes, keys become str."""
-    if isinstance(value, dict):
-        return {k.decode(): _decode_keys(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode_keys(v) for v in value]
-    return value
+def _decoded(raw: bytes) -> dict[str, Any]:
+    """A script's msgpack reply. Redis' cmsgpack packs every string alike, so keys and hashes
+    arrive as bytes; the reply's own keys become str, while the per-request maps a step's reply
+    lists keep byte keys (`_request_plan`, `_committed`): decoding every key of 64 of them cost
+    more than the unpacking."""
+    return {k.decode(): v for k, v in msgpack.unpackb(raw, raw=True).items()}
 
 
 def _list(value: Any) -> list[Any]:
@@ -389,25 +388,29 @@ def _removals(raw: Any) -> list[Removal]:
     return [Removal(kind.decode(), h) for kind, h in _list(raw)]
 
 
-# plan_step.lua's COPY_FORMAT: one restore or copy-on-write copy, packed little-endian
-COPY_DTYPE = np.dtype([("src", "<u4"), ("dst", "<u4"), ("offset", "<u8"), ("nbytes", "<u8")])
+# plan_step.lua's COPY_FORMAT: one restore or copy-on-write copy (src, dst, offset, nbytes),
+# packed little-endian. struct, not numpy: for the few ids and copies of one request, numpy's
+# per-call cost was most of the decoding.
+COPY_FORMAT = struct.Struct("<IIQQ")
 
 
-def _ids(packed: bytes) -> list[int]:
-    return np.frombuffer(packed, dtype="<u4").tolist()
+def _ids(packed: bytes) -> tuple[int, ...]:
+    """Little-endian uint32 page ids."""
+    return struct.unpack(f"<{len(packed) // 4}I", packed)
 
 
 def _page_table(shared: bytes, own: bytes, groups: int) -> list[list[int]]:
     """[group][slot]: the cached slots, then the request's own page sets (uint32 per page,
     slot-major)."""
-    return np.frombuffer(shared + own, dtype="<u4").reshape(-1, groups).T.tolist()
+    ids = _ids(shared + own)
+    return [list(ids[g::groups]) for g in range(groups)]
 
 
-def _request_plan(r: dict[str, Any], groups: int) -> RequestPlan:
+def _request_plan(r: dict[bytes, Any], groups: int) -> RequestPlan:
     return RequestPlan(
-        rid=r["rid"].decode(), hit_tokens=r["hit"], start=r["start"], stop=r["stop"],
-        mla_pages=_page_table(r["shared"], r["own"], groups), state_pages=_ids(r["state"]),
-        checkpoint_pages=_ids(r["ckpt"]), checkpoint_tokens=r["ckpt_tokens"],
-        copies=[PageCopy(*c) for c in np.frombuffer(r["copies"], dtype=COPY_DTYPE).tolist()],
-        match_tokens=r["match"])
+        rid=r[b"rid"].decode(), hit_tokens=r[b"hit"], start=r[b"start"], stop=r[b"stop"],
+        mla_pages=_page_table(r[b"shared"], r[b"own"], groups), state_pages=list(_ids(r[b"state"])),
+        checkpoint_pages=list(_ids(r[b"ckpt"])), checkpoint_tokens=r[b"ckpt_tokens"],
+        copies=[PageCopy(*c) for c in COPY_FORMAT.iter_unpack(r[b"copies"])],
+        match_tokens=r[b"match"])
 
