@@ -118,7 +118,7 @@ def test_the_loaded_library_keeps_its_markers_as_comments() -> None:
     plain, probed = library().source, phase_library()
     assert "phase_mark" not in plain and "-- phase end: meta" in plain
     markers = plain.count("-- phase end: ")
-    assert probed.source.count("phase_mark(\"") == markers + 2  # the origin reads twice
+    assert probed.source.count("phase_mark(\"") == markers + 2  # the origin and its probes
     assert "-- phase end: " not in probed.source.split(probed.step_function, 1)[1].split(
         "redis.register_function", 1)[0]
     assert probed.step_function not in plain and probed.name not in plain  # no name shared

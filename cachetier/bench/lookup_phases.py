@@ -9,11 +9,11 @@ shadows cachetier's library, and it is deleted after the run.
 
 A phase's time is the clock at its marker minus the clock at the marker before it, summed over
 one call: the markers inside the per-request loops add up over the batch. Every phase holds one
-clock reading, whose cost (`phase_probe_us`, two readings back to back at the origin) is
-subtracted. A reading amid the script's work costs a little more than that (measured here: 4-5
-us against 2-3), so a phase reads high by a microsecond or two per marker it holds, and at large
-batches a loop phase of about a microsecond per request reads 0: the figures say where the time
-goes, `server_us_per_request` (measured without probes) says how much there is.
+clock reading, whose cost (`phase_probe_us`: the origin takes PROBE_READINGS readings back to
+back) is subtracted. That is an estimate: one reading cost 1-2 us back to back here and up to
+twice that amid the script's work, so a small phase reads high or low by a microsecond or so
+per marker it holds, and one near a microsecond per request can read 0. The phases say where
+the time goes; `server_us_per_request`, measured without probes, says how much there is.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from index.tickets import compose
 STEP_SCRIPT = "plan_step"
 TRACE_SUFFIX = "phase_trace"
 PROBE = "probe"
+PROBE_READINGS = 16
 _START = re.compile(r"^([ \t]*)-- phase start[ \t]*$", re.M)
 _END = re.compile(r"^([ \t]*)-- phase end: ([a-z_]+)[ \t]*$", re.M)
 _TRACE = """
@@ -69,7 +70,8 @@ def phase_library() -> PhaseLibrary:
     digest = named[1]
     body = loaded.source.split("\n", 1)[1]
     start, end = _step_body(body, f'"{loaded.functions[STEP_SCRIPT]}"')
-    step = _START.sub(lambda m: f'{m[1]}phase_mark("start") phase_mark("{PROBE}")', body[start:end])
+    step = _START.sub(lambda m: f'{m[1]}phase_mark("start") for _ = 1, {PROBE_READINGS} do '
+                      f'phase_mark("{PROBE}") end', body[start:end])
     step = _END.sub(lambda m: f'{m[1]}phase_mark("{m[2]}")', step)
     if step.count("phase_mark(") < 3:
         raise RuntimeError(f"{STEP_SCRIPT}.lua has lost its phase markers")
@@ -149,10 +151,10 @@ async def measure_phases(client: Redis, lib: PhaseLibrary, index: PrefixIndex,
 
 def summarize_phases(samples: PhaseSamples, batch: int) -> dict[str, Any]:
     """Per request, the median microseconds of each phase less the clock readings it holds (the
-    origin's probe is the cost of one), their sum, and the same calls' server time less every
+    origin's probes give the cost of one), their sum, and the same calls' server time less every
     reading: what it leaves over the sum was spent outside the markers (before the origin and
     after the reply: the arguments made Lua tables, the call's set-up, the reply handed back)."""
-    probe = statistics.median(c.get(PROBE, 0) for c in samples.calls)
+    probe = statistics.median(c.get(PROBE, 0) for c in samples.calls) / PROBE_READINGS
     names = [n for n in samples.calls[0] if n != PROBE]
     phases = {}
     for name in names:
@@ -160,6 +162,6 @@ def summarize_phases(samples: PhaseSamples, batch: int) -> dict[str, Any]:
         phases[name] = round(max(0.0, spent - probe * samples.counts.get(name, 1)) / batch, 2)
     readings = sum(samples.counts.values())
     call = max(0.0, statistics.median(samples.call_us) - probe * readings)
-    return {"phases_us_per_request": phases, "phase_probe_us": probe,
+    return {"phases_us_per_request": phases, "phase_probe_us": round(probe, 2),
             "phases_sum_us_per_request": round(sum(phases.values()), 2),
             "phases_call_us_per_request": round(call / batch, 2)}
