@@ -129,7 +129,11 @@ def test_a_prefill_saves_each_boundary_it_crosses(family: dict[str, Any]) -> Non
         assert _report(a[rid])["cachetier_saved_boundaries"] == saves, (rid, local,
                                                                         _report(a[rid]))
         assert _report(a[rid])["cachetier_loaded_tokens"] == 0
-    assert a["s1t1"]["num_cached_tokens"] == 0
+    # Sent together, one of the first turns starts cold and the other finds the system prompt's
+    # whole units in vLLM's own cache: which one is the scheduler's choice, since the connector's
+    # "ask again" can hold either back a step (s1t1 first is the usual order, not a rule).
+    firsts = sorted(a[rid]["num_cached_tokens"] for rid in ("s1t1", "s2t1"))
+    assert firsts == [0, _saved_to(SYSTEM)], firsts
     assert a["s1t2"]["num_cached_tokens"] == _hit_for(S1_T2, _saved_to(S1_T1))
 
 
