@@ -17,6 +17,7 @@ import msgpack
 from redis.asyncio import Redis
 
 from eviction.policy import CLASSES
+from index.meta import CORE_FIELD, COUNTER_FIELDS, decode_core
 from index.records import IndexStats
 from index.reference import PoolState, pack_ids
 from index.tickets import compose, split
@@ -34,12 +35,11 @@ async def read_pool(redis: Redis, keys: list[str], classes: Sequence[str] = CLAS
     pipe.hgetall(refs_k).hgetall(ckr_k)
     (meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path, lease,
      refs, ckr) = await pipe.execute()
-    clock = float(meta.get(b"clock", 0))
-    meta = {k.decode(): int(float(v)) for k, v in meta.items()
-            if not k.startswith(b"w_") and k != b"holder"}  # weights, the storage's name
+    core = decode_core(meta[CORE_FIELD.encode()])
+    counted = {field: int(core[field]) for field in COUNTER_FIELDS}
     return PoolState(
-        epoch=meta["epoch"], fresh=meta["fresh"], tick=meta["tick"], ticket=meta["ticket"],
-        clock=clock,
+        epoch=counted["epoch"], fresh=counted["fresh"], tick=counted["tick"],
+        ticket=counted["ticket"], clock=core["clock"],
         pages=_records(pages, rf, path, refs, ckr, classes),
         free=deque(int(x) for x in free),
         ep={h: tuple(msgpack.unpackb(v)) for h, v in ep.items()},
@@ -49,8 +49,8 @@ async def read_pool(redis: Redis, keys: list[str], classes: Sequence[str] = CLAS
         reqh={k.decode(): v for k, v in reqh.items()},
         tix=dict(_ticket(int(k), msgpack.unpackb(v, raw=True)) for k, v in tix.items()),
         lease={rid.decode(): int(d) for rid, d in lease},
-        lru_page_count=meta["lru_pages"],
-        durable_cks=meta["durable_cks"],
+        lru_page_count=counted["lru_pages"],
+        durable_cks=counted["durable_cks"],
     )
 
 

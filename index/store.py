@@ -30,6 +30,7 @@ from index.errors import (BadRequest, StaleEpoch, StorageLost, StorageRollback, 
 from index.execution import ReplicaAcks
 from index.hashing import hash_len
 from index.identity import PoolView
+from index.meta import CORE_FIELD, decode_core
 from index.prefix import PinnedPrefix, PrefixProbe
 from index.records import (CommitItem, CommitResult, CommittedRequest, EvictResult, IndexStats,
                            PageCopy, ReleaseResult, Removal, RequestPlan, StepPlan, StepRefusal,
@@ -210,7 +211,8 @@ class PrefixIndex:
         return self.epoch
 
     async def current_epoch(self) -> int:
-        return int(await self.redis.hget(self.keys[0], "epoch") or 0)
+        core = await self.redis.hget(self.keys[0], CORE_FIELD)
+        return 0 if core is None else int(decode_core(core)["epoch"])
 
     async def drop(self) -> None:
         """Delete the pool, every key of it (a fixed set: UNLINK is O(1) per key), for a scratch

@@ -4,7 +4,9 @@ whose data outlives its process."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -12,9 +14,20 @@ from cachetier.run.redis_auth import RedisAcl
 from cachetier.run.servers import RedisServer
 
 
-async def dump(redis: Redis) -> dict[bytes, bytes]:
-    """Every key's serialized value: byte-for-byte equality means nothing changed."""
-    return {k: await redis.dump(k) for k in sorted(await redis.keys("*"))}
+async def dump(redis: Redis) -> dict[bytes, tuple[bytes, Any]]:
+    """Every key's type and whole content: equality means nothing changed. Not DUMP's bytes: a
+    hash kept as a hash table (a pool's meta, whose packed `core` is past the listpack's value
+    size) serializes in the table's iteration order, which any read of it may change, since a
+    lookup takes a step of an incremental rehash."""
+    readers: dict[bytes, Callable[[bytes], Awaitable[Any]]] = {
+        b"string": redis.get, b"hash": redis.hgetall, b"set": redis.smembers,
+        b"list": lambda key: redis.lrange(key, 0, -1),
+        b"zset": lambda key: redis.zrange(key, 0, -1, withscores=True)}
+    out = {}
+    for key in sorted(await redis.keys("*")):
+        kind = await redis.type(key)
+        out[key] = (kind, await readers[kind](key))
+    return out
 
 
 def all_keys(url: str) -> set[bytes]:

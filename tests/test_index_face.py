@@ -17,8 +17,9 @@ import pytest
 from redis.asyncio import Redis
 
 from cachetier.client import CacheTierClient, TierPool
-from index.errors import StaleEpoch
+from index.errors import PoolConflict, StaleEpoch
 from index.face import Index
+from index.meta import CORE_FIELD, CORE_FIELDS, decode_core
 from index.records import CommitItem, IndexStats, StepPlan, StepRequest
 from index.reference import PoolState, ReferenceIndex
 from index.snapshot import read_pool, recount, sanity_check
@@ -181,34 +182,55 @@ async def test_a_face_voided_by_another_is_told_once_then_carries_on(redis, face
     assert only(await index.plan_step([new_request("a", DOC[:20], 8, 4)])).hit_tokens == 0
 
 
-async def test_a_pool_stored_before_the_counter_starts_a_new_epoch_if_it_has_checkpoints(
-        redis) -> None:
+async def stored_as_layout_2(redis, key: str, *missing: str) -> dict[str, float]:
+    """Rewrites the pool's meta as layout 2 kept it (geometry and counters as fields of their
+    own, no `core`), without the `missing` fields (a pool stored before they existed); returns
+    what `core` held."""
+    core = decode_core(await redis.hget(key, CORE_FIELD))
+    await redis.hset(key, mapping={f: v for f, v in core.items() if f not in missing})
+    await redis.hset(key, "layout", 2)
+    await redis.hdel(key, CORE_FIELD)
+    return core
+
+
+@pytest.mark.parametrize("missing", [(), ("durable_cks", "wc")], ids=["layout-2", "before-counters"])
+async def test_a_pool_stored_with_an_older_layout_goes_on_from_its_counters_and_starts_over_if_it_has_pages(
+        redis, missing) -> None:
+    """A pool stored before the packed `core` (its counters as fields, pins inside its records,
+    maybe no durable or write count) would be misread: create_pool takes its epoch, tickets
+    and write count over, so that none is issued twice, and starts it over in the next epoch
+    if it holds a page set."""
     index, snapshot = await redis_face(redis)
+    key = index.keys[0]
     await index.create()
-    await redis.hdel(index.keys[0], "durable_cks")
-    assert await index.create() == 1 and (await index.stats()).durable_checkpoints == 0
+    before = await stored_as_layout_2(redis, key, *missing)
+    assert await index.create() == 1 and await redis.hget(key, "epoch") is None
+    assert decode_core(await redis.hget(key, CORE_FIELD)) == before
     await steps(index, "a", ["intermediate", "turn"], new_request("a", DOC[:40], 8, 4))
-    await redis.hdel(index.keys[0], "durable_cks")
-    assert await index.create() == 2
-    assert await index.stats() == IndexStats(2, 64, 64, 0, 0, 0, 0, 0)
-    await counted(index, snapshot)
-
-
-async def test_a_pool_stored_with_an_older_record_layout_starts_a_new_epoch_if_it_has_pages(
-        redis) -> None:
-    """Records of another layout (pins inside the record, no `refs` or `ckr`) would be misread:
-    create_pool starts such a pool over, unless it holds no page set."""
-    index, snapshot = await redis_face(redis)
-    await index.create()
-    await redis.hdel(index.keys[0], "layout")
-    assert await index.create() == 1
-    await steps(index, "a", ["turn"], new_request("a", DOC[:40], 8, 4))
     assert (await index.stats()).checkpoints == 1
-    await redis.hdel(index.keys[0], "layout")
+    before = await stored_as_layout_2(redis, key, *missing)
+    index = PrefixIndex(redis, "f", CONFIG)  # a new service: a pool before `wc` had no view of it
     assert await index.create() == 2
+    after = decode_core(await redis.hget(key, CORE_FIELD))
+    assert after["ticket"] == before["ticket"] > 0 and after["tick"] == before["tick"]
+    assert after["wc"] == (0 if missing else before["wc"])
+    assert int(await redis.hget(key, "layout")) == 3
+    assert not set(await redis.hkeys(key)) & {f.encode() for f in CORE_FIELDS}
     assert await index.stats() == IndexStats(2, 64, 64, 0, 0, 0, 0, 0)
-    assert await redis.hget(index.keys[0], "layout") is not None
     await counted(index, snapshot)
+    assert only(await index.plan_step([new_request("b", DOC[:40], 8, 4)])).hit_tokens == 0
+
+
+async def test_a_pool_of_another_geometry_conflicts_in_every_layout(redis) -> None:
+    index, _ = await redis_face(redis)
+    await index.create()
+    await stored_as_layout_2(redis, index.keys[0])
+    other = PrefixIndex(redis, "f", small_config(kda_groups=2, num_pages=65))
+    with pytest.raises(PoolConflict, match="num_pages=64, not 65"):
+        await other.create()
+    await index.create()
+    with pytest.raises(PoolConflict, match="num_pages=64, not 65"):
+        await other.create()
 
 
 async def test_the_service_answers_the_counters_of_the_index(agent, tier, redis) -> None:

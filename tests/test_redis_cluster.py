@@ -41,6 +41,7 @@ from index.hashing import chain_hashes
 from index.holder import storage_holder
 from index.identity import PoolView, fresh_epoch
 from index.lifecycle import RequestLifecycle
+from index.meta import CORE_FIELD, decode_core
 from index.records import StepPlan
 from index.redis_link import BoundedCluster, RedisTarget, WriteNotAcknowledged, close, connect
 from index.routing import probe_pools
@@ -534,7 +535,8 @@ async def test_the_holder_is_the_slot_masters_and_a_failover_that_lost_writes_mo
                 os.kill(cluster.node(port).pid, signal.SIGCONT)
         await asyncio.to_thread(cluster.wait_ready)
         await redis.refresh_topology()
-        assert int(await redis.hget(key, "wc") or 0) < writer.writes, "no write was lost"
+        core = await redis.hget(key, CORE_FIELD)
+        assert core is None or decode_core(core)["wc"] < writer.writes, "no write was lost"
         moved = await storage_holder(redis, key)
         assert moved != expected and moved.split("/")[0] != expected.split("/")[0]
         fresh = PrefixIndex(redis, "p", TINY)
@@ -571,8 +573,8 @@ def replica_meta(cluster: LocalRedisCluster, port: int, key: str) -> dict[str, i
     holds no pool."""
     with cluster.node(port).client() as direct:
         direct.execute_command("READONLY")
-        meta = direct.hmget(key, "epoch", "ticket")
-    return None if None in meta else {"epoch": int(meta[0]), "ticket": int(meta[1])}
+        core = direct.hget(key, CORE_FIELD)
+    return None if core is None else {f: int(decode_core(core)[f]) for f in ("epoch", "ticket")}
 
 
 async def served(workers: list[Worker], count: int) -> None:

@@ -22,6 +22,7 @@ from cachetier.replay.runners import RUNNERS, replay_budget
 from cachetier.replay.traces import (AgenticSpec, TraceRequest, read_trace, synth_agentic,
                                      synth_tokens, write_trace)
 from index.hashing import chain_hashes
+from index.meta import CORE_FIELD, decode_core
 from index.records import StepRequest
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
@@ -38,8 +39,8 @@ async def check_pools(redis: Redis, prefix: str, names: tuple[str, ...]) -> None
     """Every pool of the replay passes the index's own sanity check, with no request left."""
     for name in names:
         state = await read_pool(redis, pool_keys(f"{prefix}.{name}"))
-        meta = await redis.hgetall(pool_keys(f"{prefix}.{name}")[0])
-        sanity_check(state, int(meta[b"num_pages"]), int(meta[b"blocks_per_page"]))
+        core = decode_core(await redis.hget(pool_keys(f"{prefix}.{name}")[0], CORE_FIELD))
+        sanity_check(state, int(core["num_pages"]), int(core["blocks_per_page"]))
         assert not state.req and not state.tix
 
 

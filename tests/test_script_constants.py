@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from eviction.policy import (CLASSES, COMMIT_KINDS, TIER, EvictionWeights, PerClass, lru,
                              pool_field, weight_names)
 from index.errors import BadRequest
+from index.meta import CORE_FIELDS, CORE_FORMAT, GEOMETRY_FIELDS, decode_core
 from index.records import CommitItem
 from index.scripts import SCRIPT_NAMES, ScriptConstants, Scripts, library
 from index.snapshot import read_pool, sanity_check
@@ -196,3 +197,22 @@ def test_constants_refuse_what_cannot_be_a_lua_name_or_meta_field() -> None:
         ScriptConstants(classes=(*CLASSES, "turn"))
     with pytest.raises(ValueError, match="commit kind"):
         ScriptConstants(commit_kinds=(*COMMIT_KINDS, "archived"))
+
+
+async def test_the_scripts_read_and_write_the_core_as_python_does(redis: Redis) -> None:
+    """`core_table` and `core_blob` (the preamble's codec of meta's packed geometry and counters)
+    agree with index.meta field by field, a fractional clock and a ticket near 2^53 included."""
+    values = {field: float(i + 1) for i, field in enumerate(CORE_FIELDS)}
+    values.update(clock=1234.5625, ticket=float(2**53 - 1))
+    blob = CORE_FORMAT.pack(*values.values())
+    seen = await redis.eval(ScriptConstants().preamble() + """
+        local m = core_table(ARGV[1])
+        local fields = {}
+        for i, f in ipairs(CORE_FIELDS) do fields[i] = f end
+        return {core_blob(m), cjson.encode(fields), cjson.encode(GEOMETRY_FIELDS),
+                tostring(m.clock), tostring(m.ticket == 2^53 - 1)}
+    """, 0, blob)
+    assert seen[0] == blob and decode_core(seen[0]) == values
+    assert json.loads(seen[1]) == list(CORE_FIELDS)
+    assert json.loads(seen[2]) == list(GEOMETRY_FIELDS)
+    assert seen[3:] == [b"1234.5625", b"true"]

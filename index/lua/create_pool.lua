@@ -10,9 +10,8 @@
 -- than silently reinterpreting page ids and byte ranges. Weights may change (a new policy); the
 -- members already in the eviction order keep their scores until `reweigh` rescores them.
 
-local GEOMETRY = {num_pages = true, blocks_per_page = true, block_tokens = true, hash_len = true,
-                  kda_groups = true, mla_groups = true, mla_token_bytes = true,
-                  kda_state_bytes = true, max_batch = true}
+local GEOMETRY = {}
+for _, field in ipairs(GEOMETRY_FIELDS) do GEOMETRY[field] = true end
 if #ARGV % 2 ~= 0 then fail("BADINPUT", "expected field/value pairs") end
 local given = {}
 for i = 1, #ARGV, 2 do
@@ -30,36 +29,40 @@ for i = 1, #ARGV, 2 do
 end
 require_fields(GEOMETRY, given)
 require_fields(WEIGHT_FIELDS, given)
-if redis.call("EXISTS", K_META) == 1 then
-  for field in pairs(GEOMETRY) do
-    local have = tonumber(redis.call("HGET", K_META, field))
-    if have ~= given[field] then
-      fail("CONFLICT", "pool exists with " .. field .. "=" .. tostring(have) .. ", not " .. given[field])
+
+-- A pool stored before the `core` field (layout 2 and older) kept its geometry and counters as
+-- fields of their own; one stored before a counter existed counted none (0).
+local function fields_meta()
+  local raw = redis.call("HMGET", K_META, unpack(CORE_FIELDS))
+  local m = {}
+  for i, field in ipairs(CORE_FIELDS) do m[field] = tonumber(raw[i]) or 0 end
+  return m
+end
+
+local m = read_meta()
+if m == nil and redis.call("EXISTS", K_META) == 1 then m = fields_meta() end
+if m then
+  for _, field in ipairs(GEOMETRY_FIELDS) do
+    if m[field] ~= given[field] then
+      fail("CONFLICT", "pool exists with " .. field .. "=" .. m[field] .. ", not " .. given[field])
     end
   end
 else
-  redis.call("HSET", K_META, "epoch", 1, "fresh", 0, "tick", 0, "ticket", 0, "lru_pages", 0,
-             "durable_cks", 0)
+  m = {epoch = 1, fresh = 0, tick = 0, ticket = 0, lru_pages = 0, clock = 0, durable_cks = 0, wc = 0}
+  for _, field in ipairs(GEOMETRY_FIELDS) do m[field] = given[field] end
 end
--- A stored pool these scripts cannot take as it is starts a new epoch, as when its agents
--- restart: every per-epoch key goes.
-local function start_over()
-  redis.call("UNLINK", unpack(EPOCH_KEYS))
-  redis.call("HINCRBY", K_META, "epoch", 1)
-  redis.call("HSET", K_META, "fresh", 0, "lru_pages", 0, "durable_cks", 0)
-end
--- One stored before meta.durable_cks was kept: its durable checkpoints cannot be counted in
--- bounded time, so it starts over if it has any.
-if redis.call("HEXISTS", K_META, "durable_cks") == 0 then
-  if redis.call("HLEN", K_CK) > 0 then start_over() end
-  redis.call("HSET", K_META, "durable_cks", 0)
-end
--- One stored with another record layout (lib.lua LAYOUT) holds records these scripts would
--- misread: it starts over if it has any.
+-- A pool stored with another record layout (lib.lua LAYOUT) holds records these scripts would
+-- misread: if it has any, every per-epoch key goes and it starts over in the next epoch, as when
+-- its agents restart; its epoch, tickets and write count go on from where they were, so none is
+-- issued twice.
 if tonumber(redis.call("HGET", K_META, "layout")) ~= LAYOUT then
-  if redis.call("HLEN", K_PAGES) > 0 then start_over() end
+  if redis.call("HLEN", K_PAGES) > 0 then
+    redis.call("UNLINK", unpack(EPOCH_KEYS))
+    m.epoch, m.fresh, m.lru_pages, m.durable_cks = m.epoch + 1, 0, 0, 0
+  end
+  redis.call("HDEL", K_META, unpack(CORE_FIELDS))  -- an older layout's own fields
   redis.call("HSET", K_META, "layout", LAYOUT)
 end
-redis.call("HSETNX", K_META, "clock", 0)
-for field, value in pairs(given) do redis.call("HSET", K_META, field, value) end
-return tonumber(redis.call("HGET", K_META, "epoch"))
+write_meta(m)
+for field in pairs(WEIGHT_FIELDS) do redis.call("HSET", K_META, field, given[field]) end
+return m.epoch

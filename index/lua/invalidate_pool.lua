@@ -19,6 +19,6 @@ if ARGV[1] ~= "" then
   if seen ~= m.epoch then return m.epoch end
 end
 redis.call("UNLINK", unpack(EPOCH_KEYS))
-redis.call("HSET", K_META, "epoch", m.epoch + 1, "fresh", 0, "lru_pages", 0, "durable_cks", 0,
-           "wc", m.wc + 1)
-return m.epoch + 1
+m.epoch, m.fresh, m.lru_pages, m.durable_cks, m.wc = m.epoch + 1, 0, 0, 0, m.wc + 1
+write_meta(m)
+return m.epoch

@@ -92,7 +92,9 @@
 --                    ck     int    the checkpoint lead the commit registered (-1), then ready
 --                    ckh    bytes  its hash ("")
 --
--- Meta hash, meta (numbers; the geometry is fixed for the pool's life, see create_pool.lua):
+-- Meta hash, meta: `core` holds the geometry (fixed for the pool's life, see create_pool.lua)
+-- and the counters, numbers packed as little-endian doubles in this order (index/meta.py);
+-- `layout`, `holder` and the weights are fields of their own:
 --   num_pages        page ids in the pool
 --   blocks_per_page  hash blocks per physical page
 --   block_tokens     tokens per hash block
@@ -122,9 +124,10 @@
 local K_META, K_PAGES, K_FREE, K_EP, K_CK, K_LRU, K_REQ, K_REQH, K_TIX, K_RF, K_PATH, K_LEASE,
       K_REFS, K_CKR
 local EPOCH_KEYS
--- The record layout: 2 keeps pins in `refs` and ready checkpoints in `ckr` (create_pool starts
--- a pool stored with an older layout over in a new epoch).
-local LAYOUT = 2
+-- The record layout: 2 keeps pins in `refs` and ready checkpoints in `ckr`, 3 the meta's geometry
+-- and counters in its `core` field (create_pool takes an older pool's counters over, and starts
+-- it over in a new epoch if it holds pages).
+local LAYOUT = 3
 
 local function fail(code, msg)
   error({err = "CT_" .. code .. " " .. msg})
@@ -159,12 +162,8 @@ local function class_weights(m)
   end
 end
 
--- The meta fields every call reads (one HMGET); the weights are read on first use (`weights`),
--- since most calls score nothing.
-local META_FIELDS = {"num_pages", "blocks_per_page", "block_tokens", "hash_len", "kda_groups",
-                     "mla_groups", "mla_token_bytes", "kda_state_bytes", "max_batch", "epoch",
-                     "fresh", "tick", "ticket", "lru_pages", "clock", "durable_cks", "wc"}
-
+-- The eviction weights are meta fields of their own, read on first use (`weights`), since most
+-- calls score nothing; the geometry and counters every call reads are one packed field (below).
 local function weights(m)
   if m.wb then return end
   local raw = redis.call("HMGET", K_META, unpack(WEIGHT_LIST))
@@ -191,12 +190,21 @@ local function check_view(m, view)
   return epoch
 end
 
+-- The pool's geometry and counters (meta's `core` field: CORE_FORMAT, core_table and core_blob
+-- come from the preamble, generated from index/meta.py), or nil for a pool never created.
+local function read_meta()
+  local raw = redis.call("HGET", K_META, CORE_FIELD)
+  if not raw then return nil end
+  return core_table(raw)
+end
+
+local function write_meta(m)
+  redis.call("HSET", K_META, CORE_FIELD, core_blob(m))
+end
+
 local function load_meta(view)
-  local raw = redis.call("HMGET", K_META, unpack(META_FIELDS))
-  local m = {}
-  for i, field in ipairs(META_FIELDS) do m[field] = tonumber(raw[i]) end
-  if m.epoch == nil then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
-  m.wc = m.wc or 0  -- a pool stored before the write count: none counted yet
+  local m = read_meta()
+  if m == nil then fail("NOPOOL", "unknown pool (not created): " .. K_META) end
   META_WC = m.wc
   if view ~= nil then
     local want = check_view(m, view)
@@ -533,8 +541,7 @@ end
 local function save_meta(m)
   m.wc = m.wc + 1
   META_WC = m.wc
-  redis.call("HSET", K_META, "fresh", m.fresh, "tick", m.tick, "ticket", m.ticket,
-             "lru_pages", m.lru_pages, "clock", m.clock, "durable_cks", m.durable_cks, "wc", m.wc)
+  write_meta(m)
 end
 
 -- A pinned lead is never evictable: the first pin takes it out of the eviction order (`pages`

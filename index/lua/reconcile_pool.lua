@@ -48,6 +48,7 @@ m.wc = math.max(m.wc, seen_wc) + 1
 META_WC = m.wc
 local ticket = math.max(m.ticket, seen_ticket)
 redis.call("UNLINK", unpack(EPOCH_KEYS))
-redis.call("HSET", K_META, "epoch", epoch, "fresh", 0, "lru_pages", 0, "durable_cks", 0,
-           "wc", m.wc, "ticket", ticket, "holder", holder)
+m.epoch, m.fresh, m.lru_pages, m.durable_cks, m.ticket = epoch, 0, 0, 0, ticket
+write_meta(m)
+redis.call("HSET", K_META, "holder", holder)
 return reply({epoch = epoch, wc = m.wc, ticket = ticket, restarted = 1, why = why})
