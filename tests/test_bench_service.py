@@ -48,6 +48,10 @@ def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureF
     unbatched = result["unbatched"]  # the same run through a replica that batches nothing
     assert unbatched["steps_per_s"] > 0 and unbatched["min_client_steps"] > 0
     assert unbatched["cycle"] == result["throughput_cycle"] and unbatched["commit_p50_us"] > 0
+    for run in (result, {f"throughput_{k}": v for k, v in unbatched.items()}):
+        # four scripts a cycle on the server, every client, service and agent in this process
+        assert run["throughput_redis_cpu_us_per_step"] > 0
+        assert run["throughput_process_cpu_us_per_step"] > run["throughput_redis_cpu_us_per_step"]
     assert result["batching_speedup"] == pytest.approx(
         result["throughput_steps_per_s"] / unbatched["steps_per_s"], rel=2e-2)
     assert result["batching_plan_p50_ratio"] == pytest.approx(

@@ -307,13 +307,22 @@ CYCLES = {"plan": "plan+release, 1 request per step",
           "full": "plan+commit+confirm+release, 1 request per step"}
 
 
-async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, step_tokens: int,
-                     clients: int, duration: float, cycle: str = "plan") -> dict[str, Any]:
+async def cpu_seconds(redis: Redis) -> tuple[float, float]:
+    """CPU time so far of the Redis server and of this process (clients, service and agents)."""
+    cpu = await redis.info("cpu")
+    return cpu["used_cpu_user"] + cpu["used_cpu_sys"], time.process_time()
+
+
+async def throughput(url: str, redis: Redis, pool: str, blobs: Sequence[bytes], tokens: int,
+                     step_tokens: int, clients: int, duration: float,
+                     cycle: str = "plan") -> dict[str, Any]:
     """`clients` connections, each looping plan (service: copies, confirm) + release on its own
     conversation until the deadline; completed cycles per second. The `full` cycle also commits
     the step's block with a turn-end checkpoint and confirms it before the release, as an engine
     does after the forward pass (a duplicate of the previous cycle's commit but for the first:
-    the same script work, and the pool does not grow)."""
+    the same script work, and the pool does not grow). Where the machine's CPU went, per cycle:
+    the Redis server's, and this process's (every client, the service and its agents: one
+    Python process), so a reader sees which side a change helped."""
     hit = tokens - step_tokens
     counts = [0] * clients
     latencies: list[int] = []
@@ -344,12 +353,18 @@ async def throughput(url: str, pool: str, blobs: Sequence[bytes], tokens: int, s
 
         tasks = [asyncio.create_task(loop(n)) for n in range(clients)]
         await asyncio.sleep(0)
+        cpu_before = await cpu_seconds(redis)
         begin = time.perf_counter()
         deadline = begin + duration
         start_gate.set()
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - begin
+        cpu_after = await cpu_seconds(redis)
+    redis_cpu, process_cpu = (1e6 * (after - before) / max(sum(counts), 1)
+                              for before, after in zip(cpu_before, cpu_after))
     return {"throughput_steps_per_s": round(sum(counts) / elapsed, 1),
+            "throughput_redis_cpu_us_per_step": round(redis_cpu, 1),
+            "throughput_process_cpu_us_per_step": round(process_cpu, 1),
             "throughput_cycle": CYCLES[cycle],
             "throughput_tokens": tokens, "throughput_duration_s": round(elapsed, 2),
             "throughput_cycle_p50_us": round(float(np.median(latencies)) / 1e3, 1)
@@ -440,14 +455,14 @@ async def run_once(args: argparse.Namespace) -> dict[str, Any]:
                              f"{result['rtt_p50_us']} us, ratio {result['ratio']}")
                     results.append(result)
                 progress(f"throughput: {clients} clients for {duration:g} s at {tp_tokens} tokens")
-                tput = await throughput(services[0].url, pool, blobs[tp_tokens], tp_tokens,
-                                        step_tokens, clients, duration, args.cycle)
+                tput = await throughput(services[0].url, redis, pool, blobs[tp_tokens],
+                                        tp_tokens, step_tokens, clients, duration, args.cycle)
                 progress(f"throughput: {tput['throughput_steps_per_s']} steps/s, plan p50 "
                          f"{tput['throughput_plan_p50_us']} us")
                 if args.unbatched:
-                    tput.update(await compare_unbatched(services[1].url, pool, blobs[tp_tokens],
-                                                        tp_tokens, step_tokens, clients,
-                                                        duration, args.cycle, tput))
+                    tput.update(await compare_unbatched(services[1].url, redis, pool,
+                                                        blobs[tp_tokens], tp_tokens, step_tokens,
+                                                        clients, duration, args.cycle, tput))
         finally:
             keys = [key async for key in redis.scan_iter(match=f"*{pool}*")]
             if keys:
@@ -461,13 +476,14 @@ async def run_once(args: argparse.Namespace) -> dict[str, Any]:
             "redis_version": version, "runtime_s": round(time.perf_counter() - wall, 1)}
 
 
-async def compare_unbatched(url: str, pool: str, blobs: Sequence[bytes], tokens: int,
-                            step_tokens: int, clients: int, duration: float, cycle: str,
-                            batched: dict[str, Any]) -> dict[str, Any]:
+async def compare_unbatched(url: str, redis: Redis, pool: str, blobs: Sequence[bytes],
+                            tokens: int, step_tokens: int, clients: int, duration: float,
+                            cycle: str, batched: dict[str, Any]) -> dict[str, Any]:
     """The same throughput run through the replica that plans every step alone, and how the
     batched run compares: `batching_speedup` (steps/s, batched over unbatched) and
     `batching_plan_p50_ratio` (plan p50, unbatched over batched)."""
-    alone = await throughput(url, pool, blobs, tokens, step_tokens, clients, duration, cycle)
+    alone = await throughput(url, redis, pool, blobs, tokens, step_tokens, clients, duration,
+                             cycle)
     progress(f"throughput unbatched: {alone['throughput_steps_per_s']} steps/s, plan p50 "
              f"{alone['throughput_plan_p50_us']} us")
     speedup = batched["throughput_steps_per_s"] / alone["throughput_steps_per_s"]
