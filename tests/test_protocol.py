@@ -123,6 +123,22 @@ def test_bad_requests_name_the_field(frame, error, where):
         parse_request(frame, CLIENT_OPS)
 
 
+@pytest.mark.parametrize("tp, items, where", [
+    (list[int], [1, 2, True], "ids[2]: expected int"),      # a bool is no page id
+    (list[int], [1, 2.0], "ids[1]: expected int"),
+    (list[str], ["a", b"b"], "ids[1]: expected str"),
+    (list[bytes], [b"h", "h"], "ids[1]: expected bytes"),
+])
+def test_lists_of_scalars_are_checked_item_by_item(tp, items, where):
+    """The one-loop path for lists of ints, strs and bytes refuses what the walk refuses, and
+    hands the walk what it cannot take, so the error names the item."""
+    with pytest.raises(BadMessage, match=re.escape(where)):
+        from_wire(tp, items, "ids")
+    good = items[:-1]
+    decoded = from_wire(tp, good, "ids")
+    assert decoded == good and decoded is not good
+
+
 def test_copy_rows_must_have_four_integers():
     frame = request_frame(1, CopyBatch(2, [(1, 2, 0, 64)]))
     frame["copies"] = [[1, 2, 0]]

@@ -343,15 +343,21 @@ _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def to_wire(value: Any) -> Any:
-    """Dataclasses as maps of their fields, recursively; everything else as msgpack takes it."""
+    """Dataclasses as maps of their fields, recursively; everything else as msgpack takes it.
+    A scalar inside a record or a list is taken as it is, without a call: a plan's page tables
+    are lists of ints, and a call per id was most of the encoding."""
     kind = type(value)
     if kind in _SCALARS:
         return value
     names = _field_names(kind)
     if names is not None:
-        return {name: to_wire(getattr(value, name)) for name in names}
+        out = {}
+        for name in names:
+            field = getattr(value, name)
+            out[name] = field if type(field) in _SCALARS else to_wire(field)
+        return out
     if isinstance(value, (list, tuple)):
-        return [to_wire(v) for v in value]
+        return [v if type(v) in _SCALARS else to_wire(v) for v in value]
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
     return value
@@ -498,10 +504,18 @@ def _decoder(tp: Any) -> Decode:
     return _scalar_decoder(tp)
 
 
+# Scalars checked by their exact type, not by one decoder call each (a plan's page ids, a
+# record's ints): msgpack makes exactly these types, and a subclass (which `_checked` takes) goes
+# to the walk. In a record a bool field takes a bool only, as the walk's isinstance does.
+_EXACT_ITEMS = frozenset({int, str, bytes})
+_EXACT_FIELDS = _EXACT_ITEMS | {bool}
+
+
 def _dataclass_decoder(cls: type) -> Decode:
     hints = _hints(cls)
     required = frozenset(_required(cls))
     fields: dict[str, Decode] = {}
+    exact = {name: hint for name, hint in hints.items() if hint in _EXACT_FIELDS}
 
     def decode(value: Any) -> Any:
         if not isinstance(value, dict):
@@ -510,6 +524,12 @@ def _dataclass_decoder(cls: type) -> Decode:
             fields.update({name: _decoder(hint) for name, hint in hints.items()})
         kwargs = {}
         for key, item in value.items():
+            exact_type = exact.get(key)
+            if exact_type is not None:
+                if type(item) is not exact_type:
+                    raise _Mismatch
+                kwargs[key] = item
+                continue
             field_decode = fields.get(key) if isinstance(key, str) else None
             if field_decode is None:
                 raise _Mismatch
@@ -548,6 +568,17 @@ def _generic_decoder(origin: Any, args: tuple[Any, ...]) -> Decode:
                 raise _Mismatch
             return value
         return literal
+    if origin is list and args[0] in _EXACT_ITEMS:
+        exact = args[0]
+
+        def decode_scalars(value: Any) -> Any:
+            if not isinstance(value, list):
+                raise _Mismatch
+            for v in value:
+                if type(v) is not exact:  # a bool is no int here, as `_is_int` says
+                    raise _Mismatch
+            return list(value)
+        return decode_scalars
     if origin is list:
         item = _decoder(args[0])
 
