@@ -359,8 +359,10 @@ async def test_replicas_share_the_pool_through_redis(redis, redis_url):
             worker = Worker(PagedPool.attach(agent.handle()))
             async with CacheTierClient(one.url, token=TOKEN) as a, \
                     CacheTierClient(two.url, token=TOKEN) as b:
-                # `running_agent` returns once the agent registered with one of them
-                await eventually(lambda: b.stats("p"), lambda s: s.ranks == [0])
+                # `running_agent` returns once the agent registered with one of them; each
+                # service's ranks are the agents registered with it
+                for tier in (a, b):
+                    await eventually(lambda: tier.stats("p"), lambda s: s.ranks == [0])
                 await serve_prompt(a, "a", DOC[:100], worker)
                 probe = DOC[:100] + [9]
                 plan = await b.plan("p", [new_request("b", probe, len(probe), BLOCK)])
