@@ -20,6 +20,13 @@ connection wrote). Fewer acknowledgements than asked raise `WriteNotAcknowledged
 the write may survive or not, and the caller must not act on it. On a cluster the pipeline
 goes to the slot's master directly; a MOVED reply (the script did not run) refreshes the slot
 map and sends it again.
+
+**Staged bytes.** Lua interns every byte of every argument before a script runs (~1.2 ns a
+byte on the machines measured: 38 us of server time for 32 KB, which a SET of the same bytes
+stores in 0.4 us). A call given `Staged` bytes sends them in the same pipeline, just before it,
+as a key of the pool's slot the script reads ranges of, and UNLINKs the key right after it; the
+key expires on its own should the connection break between the two. Staged bytes are written
+like any other: replicas and the AOF receive them (and their UNLINK).
 """
 
 from __future__ import annotations
@@ -61,6 +68,21 @@ class LoadedLibrary:
     read_only: frozenset[str]
 
 
+@dataclass(frozen=True)
+class Staged:
+    """`value` under `key` (a key of the pool's slot, unique to the call) while the call runs."""
+
+    key: str
+    value: bytes
+    ttl_ms: int = 60_000
+
+    def before(self) -> tuple[Any, ...]:
+        return ("SET", self.key, self.value, "PX", self.ttl_ms)
+
+    def after(self) -> tuple[Any, ...]:
+        return ("UNLINK", self.key)
+
+
 def function_missing(reply: Any) -> bool:
     """The server has no such function: its library is not loaded there."""
     return isinstance(reply, ResponseError) and "Function not found" in str(reply)
@@ -80,30 +102,42 @@ class ReplicaAcks:
 
 async def call_function(redis: RedisClient, library: LoadedLibrary, name: str,
                         keys: Sequence[str], args: Sequence[Any],
-                        acks: ReplicaAcks | None = None) -> Any:
+                        acks: ReplicaAcks | None = None, staged: Staged | None = None) -> Any:
     """The reply of the library's function `name`; with `acks`, once that many replicas hold
-    what it wrote. A server without the library gets it first (above)."""
+    what it wrote; with `staged`, its bytes under their key while it runs. A server without the
+    library gets it first (above)."""
     op = "FCALL_RO" if name in library.read_only else "FCALL"
     call = (op, library.functions[name], len(keys), *keys, *args)
     load = ("FUNCTION", "LOAD", "REPLACE", library.source)
+    before, after = ([], []) if staged is None else ([staged.before()], [staged.after()])
+    sent, at = [*before, call, *after], len(before)  # at: the call's place in `sent`
     if acks is None:
-        try:
-            return await redis.execute_command(*call)
-        except ResponseError as exc:
-            if not function_missing(exc):
-                raise
-        replies = await _on_slot(redis, keys[0], [load, call])
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies[-1]
+        if staged is None:  # one command, no pipeline
+            try:
+                return await redis.execute_command(*call)
+            except ResponseError as exc:
+                if not function_missing(exc):
+                    raise
+        else:
+            replies = await _on_slot(redis, keys[0], sent)
+            if not function_missing(replies[at]):
+                return _reply_at(replies, at)
+        return _reply_at(await _on_slot(redis, keys[0], [load, *sent]), at + 1)
     wait = ("WAIT", acks.replicas, acks.timeout_ms)
-    reply, acked = await _on_slot(redis, keys[0], [call, wait])
-    if function_missing(reply):
-        loaded, reply, acked = await _on_slot(redis, keys[0], [load, call, wait])
-        if isinstance(loaded, Exception):
-            raise loaded
-    return _acknowledged(reply, acked, acks)
+    replies = await _on_slot(redis, keys[0], [*sent, wait])
+    if function_missing(replies[at]):
+        replies, at = await _on_slot(redis, keys[0], [load, *sent, wait]), at + 1
+    return _acknowledged(_reply_at(replies, at), replies[-1], acks)
+
+
+def _reply_at(replies: list[Any], at: int) -> Any:
+    """The call's reply (`replies[at]`), or the first failure up to it (loading the library,
+    staging its bytes). What follows the call (the staged key's UNLINK, which expires anyway)
+    cannot undo what it did, so the caller gets its reply whatever became of that."""
+    for reply in replies[:at + 1]:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies[at]
 
 
 async def _on_slot(redis: RedisClient, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -142,10 +176,24 @@ async def run_script(redis: RedisClient, script: LoadedScript, keys: Sequence[st
 
 
 async def _on_server(redis: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
-    async with redis.pipeline(transaction=False) as pipe:
-        for command in commands:
-            pipe.execute_command(*command)
-        return list(await pipe.execute(raise_on_error=False))
+    """The commands in one write on one connection of the pool, and their replies in order (an
+    error reply in its place). Not redis-py's pipeline object, which cost ~35 us more for a
+    step's three commands; nor its retries: a connection lost mid-way raises, since the writes
+    may have run (the caller decides, as on a cluster). redis-py closes a connection that
+    failed or was cancelled mid-reply, so none goes back to the pool with a reply pending."""
+    pool = redis.connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_packed_command(connection.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await connection.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+    finally:
+        await pool.release(connection)
 
 
 async def _on_slot_master(cluster: BoundedCluster, key: str,

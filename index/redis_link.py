@@ -7,6 +7,10 @@ flight and each node gets a few connections more than that bound, for topology r
 `close` knows the two `aclose` signatures. Every key of a pool shares one hash tag, so each
 script runs whole on the master of its pool's slot, whichever shard that is.
 
+Both pack commands with hiredis's C packer (`hiredis_packing`), as redis-py's synchronous client
+does when hiredis is installed and its asyncio client (8.1) does not: its Python packer took
+10 us of a plan's client time for the 14 keys and 4 arguments of one FCALL, hiredis 1.4 us.
+
 `is_transient` names the failures of the storage rather than of the call: a node down or
 failing over, a slot moving, a master refusing writes while it has no replica, a write no
 replica acknowledged in time, a server busy running a script. The same call may succeed once
@@ -25,8 +29,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import AbstractConnection
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import (AskError, ClusterDownError, ClusterError, OutOfMemoryError,
                               RedisClusterException, ReadOnlyError, RedisError, ResponseError,
                               TryAgainError)
@@ -106,6 +112,29 @@ def torn_down_is_lost() -> Iterator[None]:
         raise RedisConnectionError(f"connection torn down mid-call: {exc}") from exc
 
 
+class _HiredisPacking:
+    """A connection's command packing by hiredis (`HiredisRespSerializer`: the same bytes, and
+    the same `DataError` for a value Redis cannot take)."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return self._packer.pack(*args)
+
+
+def hiredis_packing(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """`connection_class` (plain, TLS or Unix socket) packing its commands with hiredis."""
+    if issubclass(connection_class, _HiredisPacking):
+        return connection_class
+    return type(f"Hiredis{connection_class.__name__}", (_HiredisPacking, connection_class), {})
+
+
+def packing_with_hiredis(pool: ConnectionPool) -> ConnectionPool:
+    """`pool`, whose connections (none opened yet) pack commands with hiredis."""
+    pool.connection_class = hiredis_packing(pool.connection_class)
+    return pool
+
+
 class BoundedCluster(RedisCluster):
     """`RedisCluster` whose calls in flight are bounded: a call past the bound waits for one to
     finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection."""
@@ -118,6 +147,11 @@ class BoundedCluster(RedisCluster):
         self._calls = asyncio.Semaphore(bound)
         self._wait_s = wait_s
         self._refreshing = asyncio.Lock()
+        # Nodes found later take the class from the manager's options, the known ones have theirs.
+        options = self.nodes_manager.connection_kwargs
+        options["connection_class"] = hiredis_packing(options["connection_class"])
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = options["connection_class"]
 
     @contextlib.asynccontextmanager
     async def bounded(self) -> AsyncIterator[None]:
@@ -165,7 +199,7 @@ def connect(target: RedisTarget) -> RedisClient:
                               **login, **tls)
     pool = BlockingConnectionPool.from_url(target.url, max_connections=target.max_connections,
                                            timeout=target.wait_s, **login)
-    return Redis(connection_pool=pool)
+    return Redis(connection_pool=packing_with_hiredis(pool))
 
 
 async def close(client: RedisClient) -> None:

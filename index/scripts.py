@@ -29,7 +29,7 @@ from redis.exceptions import ResponseError
 
 from eviction.policy import CLASSES, COMMIT_KINDS, pool_field, weight_names
 from index.errors import from_reply
-from index.execution import LoadedLibrary, ReplicaAcks, call_function
+from index.execution import LoadedLibrary, ReplicaAcks, Staged, call_function
 from index.meta import lua_core_codec
 from index.redis_link import RedisClient
 from index.tickets import NONCE_BITS
@@ -148,10 +148,12 @@ class Scripts:
         self._acks = acks
         self._library = library(constants)
 
-    async def call(self, name: str, keys: list[str], args: list[bytes | str | int | float]):
+    async def call(self, name: str, keys: list[str], args: list[bytes | str | int | float],
+                   staged: Staged | None = None):
         acks = self._acks if name in ACKED else None
         try:
-            return await call_function(self._redis, self._library, name, keys, args, acks)
+            return await call_function(self._redis, self._library, name, keys, args, acks,
+                                       staged)
         except ResponseError as exc:
             typed = from_reply(str(exc))
             if typed is None:

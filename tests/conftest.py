@@ -21,6 +21,7 @@ from cachetier.run.servers import RedisServer
 from cachetier.service.server import CacheTierService
 from cachetier.vllm.tiny import write_tiny_qwen3_next
 from gpu_pool.agent import Agent
+from index.redis_link import packing_with_hiredis
 from tests.cluster_harness import TOKEN, running_agent, running_service
 
 
@@ -55,8 +56,8 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 
     The blocking pool makes concurrent tests wait for a connection instead of failing over a cap.
     """
-    pool = BlockingConnectionPool.from_url(redis_url, max_connections=32, timeout=10,
-                                           decode_responses=False)
+    pool = packing_with_hiredis(BlockingConnectionPool.from_url(
+        redis_url, max_connections=32, timeout=10, decode_responses=False))
     client = Redis(connection_pool=pool)
     await client.flushall()
     await client.script_flush()

@@ -14,7 +14,8 @@ from index.errors import (BadRequest, PoolConflict, StorageRollback, UnknownEnti
                           UnknownPool)
 from index.hashing import chain_hashes
 from index.records import StepRequest
-from index.store import PrefixIndex
+from index.execution import Staged
+from index.store import PrefixIndex, stage_key
 from tests.index_harness import ROOT, make, new_request, serve, small_config
 from tests.redis_harness import dump
 
@@ -81,6 +82,42 @@ async def test_bad_plan_is_refused_without_a_write(warm, redis, case):
         await raw(warm, "plan_step", batch, *blobs, NONCE)
     assert str(err.value) and "script" not in str(err.value)
     assert await dump(redis) == before
+
+
+async def raw_staged(d, batch: bytes, staged: bytes):
+    """plan_step with `staged` as its staged hashes (index.execution.Staged), as a big step."""
+    stage = Staged(stage_key(d.index.keys, "test"), staged)
+    return await d.index._scripts.call("plan_step", [*d.index.keys, stage.key],
+                                       [d.index.epoch, batch, NONCE], stage)
+
+
+STAGED_PLAN_CASES = {
+    "staged hashes short": (packed([new_item()]), GOOD_HASHES[:-1]),
+    "staged hashes beyond the step's": (packed([new_item()]), GOOD_HASHES * 2),
+    "staged hashes for the wrong length": (packed([new_item(tokens=16)]), GOOD_HASHES),
+    "staged out of batch order": (packed([new_item(rid="a", hashes=2), new_item(rid="b")]),
+                                  GOOD_HASHES * 2),
+    "staged and in an argument": (packed([new_item(hashes=2)]), GOOD_HASHES),
+    "staged valid then bad": (packed([new_item(rid="ok"), new_item(compute=0, hashes=2)]),
+                              GOOD_HASHES * 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STAGED_PLAN_CASES))
+async def test_bad_staged_plan_is_refused_without_a_write_or_its_key_left(warm, redis, case):
+    """The staged key is gone afterwards too: the call's pipeline unlinks it, refused or not."""
+    batch, staged = STAGED_PLAN_CASES[case]
+    before = await dump(redis)
+    with pytest.raises(BadRequest):
+        await raw_staged(warm, batch, staged)
+    assert await dump(redis) == before
+
+
+async def test_the_staged_cases_are_valid_once_fixed(warm, redis):
+    reply = msgpack.unpackb(await raw_staged(warm, packed([new_item(rid="a"), new_item(
+        rid="b", hashes=2)]), GOOD_HASHES * 2), raw=True)
+    assert reply[b"ok"] == 1 and [r[b"rid"] for r in reply[b"requests"]] == [b"a", b"b"]
+    assert not await redis.keys("*:stage:*")
 
 
 async def test_the_raw_plan_cases_are_valid_once_fixed(warm):

@@ -161,6 +161,10 @@ async def test_the_library_reloads_after_a_function_flush(redis):
     await redis.function_flush()
     probe = list(range(21))
     assert only(await d.plan([new_request("b", probe, 1, 4)], {"b": probe})).hit_tokens == 20
+    d.index.stage_bytes = 0  # a step with staged hashes: reloaded, sent again with them
+    await redis.function_flush()
+    assert only(await d.plan([new_request("c", probe, 1, 4)], {"c": probe})).hit_tokens == 20
+    assert not await redis.keys("*:stage:*")
 
 
 async def test_branch_point_step_stops_at_the_mla_match_and_its_checkpoint_serves_the_next(redis):

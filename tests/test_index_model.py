@@ -35,7 +35,7 @@ from index.records import CommitItem, StepPlan, StepRequest
 from index.redis_link import RedisTarget, close, connect
 from index.reference import ReferenceIndex
 from index.snapshot import read_pool, recount, sanity_check
-from index.store import PrefixIndex
+from index.store import STAGE_BYTES, PrefixIndex
 from index.tickets import NONCE_BITS
 from tests.index_harness import ROOT, Driver, new_request, small_config
 
@@ -60,6 +60,7 @@ class IndexMachine(RuleBasedStateMachine):
     config: Config
     target: RedisTarget
     acks: ReplicaAcks | None = None  # a cluster: every write script pipelined with its WAIT
+    stage_bytes: int = STAGE_BYTES  # steps whose new hashes reach it stage them (none here)
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +70,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.now = 1_000.0  # both faces' clock (s): leases run out as `time_passes` says
         self.call_nonce = 0  # both faces draw this nonce for the tickets of one operation
         real = PrefixIndex(self.redis, "m", self.config, acks=self.acks, lease_s=LEASE_S,
-                           clock=self.clock, nonce=self.nonce)
+                           clock=self.clock, nonce=self.nonce, stage_bytes=self.stage_bytes)
         ref = ReferenceIndex(self.config, pool_id="m", lease_s=LEASE_S, clock=self.clock,
                              nonce=self.nonce)
         for index in (real, ref):
@@ -368,27 +369,35 @@ class IndexMachine(RuleBasedStateMachine):
         stats = self.faces(lambda index: index.stats())
         assert stats == recount(state, self.config.cache.num_pages), "stats() != the records"
         sanity_check(state, self.config.cache.num_pages, self.config.cache.blocks_per_page)
+        staged = self.loop.run_until_complete(self.redis.keys("ct:*:stage:*"))
+        assert not staged, f"staged hashes outlived their call: {staged}"
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(small_config(num_pages=64), id="kda3-mla1"),
-    pytest.param(small_config(kda_groups=2, mla_groups=2, num_pages=56), id="kda2-mla2"),
-    pytest.param(small_config(kda_groups=0, num_pages=24), id="full-attention"),
-    pytest.param(small_config(num_pages=64, family="gdn-gqa"), id="gdn3-gqa1"),
+@pytest.mark.parametrize("config, stage_bytes", [
+    pytest.param(small_config(num_pages=64), STAGE_BYTES, id="kda3-mla1"),
+    # a step's new hashes staged from 10 blocks' worth on: some steps staged, some not
+    pytest.param(small_config(num_pages=64), 160, id="kda3-mla1-staged"),
+    pytest.param(small_config(kda_groups=2, mla_groups=2, num_pages=56), STAGE_BYTES,
+                 id="kda2-mla2"),
+    pytest.param(small_config(kda_groups=0, num_pages=24), STAGE_BYTES, id="full-attention"),
+    pytest.param(small_config(num_pages=64, family="gdn-gqa"), STAGE_BYTES, id="gdn3-gqa1"),
 ])
-def test_scripts_match_reference(redis_url, config) -> None:
-    machine = type("Machine", (IndexMachine,), {"config": config,
-                                                "target": RedisTarget(redis_url, max_connections=4)})
+def test_scripts_match_reference(redis_url, config, stage_bytes) -> None:
+    machine = type("Machine", (IndexMachine,), {
+        "config": config, "target": RedisTarget(redis_url, max_connections=4),
+        "stage_bytes": stage_bytes})
     run_state_machine_as_test(machine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
 def test_scripts_match_reference_on_a_redis_cluster(redis_cluster) -> None:
-    """The same machine through the cluster client, every write acknowledged by a replica."""
+    """The same machine through the cluster client, every write acknowledged by a replica, every
+    step's new hashes staged."""
     target = RedisTarget.cluster(redis_cluster.startup_nodes, max_connections=4)
     machine = type("Machine", (IndexMachine,), {"config": small_config(num_pages=64),
-                                                "target": target, "acks": ReplicaAcks()})
+                                                "target": target, "acks": ReplicaAcks(),
+                                                "stage_bytes": 0})
     run_state_machine_as_test(machine, settings=settings(
         max_examples=20, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

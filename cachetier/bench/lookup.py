@@ -42,8 +42,10 @@ from cachetier.bench.lookup_phases import PhaseLibrary, measure_phases, phase_li
 from cachetier.bench.script_stats import STEP_COMMAND, script_stats, stats_delta
 from cachetier.config import Config, ConfigError, add_config_arguments, config_from_args
 from cachetier.run.servers import RedisServer
+from index.execution import LoadedLibrary, Staged, call_function
 from index.hashing import chain_hashes, hash_len, namespace_root
 from index.lifecycle import RequestLifecycle
+from index.redis_link import packing_with_hiredis
 from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
 from index.store import PrefixIndex
 
@@ -56,6 +58,7 @@ BARE_SCRIPT = "return 1"
 NOOP_LIBRARY = "cachetier_bench_noop"
 NOOP_SOURCE = (f"#!lua name={NOOP_LIBRARY}\n"
                f"redis.register_function('{NOOP_LIBRARY}', function(keys, args) return 1 end)")
+NOOP = LoadedLibrary(NOOP_SOURCE, {NOOP_LIBRARY: NOOP_LIBRARY}, frozenset())
 HASH_REPEATS = 5
 SETUP_BATCH = 8
 
@@ -220,14 +223,15 @@ async def timed(call: Awaitable[Any]) -> tuple[Any, int]:
 class Probes:
     """The calls timed around the step: the bare round trip (EVALSHA_RO of `BARE_SCRIPT`, no
     arguments) and the no-op floor (FCALL of `NOOP_LIBRARY` with the step's own KEYS and
-    ARGV)."""
+    ARGV, its hashes staged as the step stages them)."""
 
     bare_sha: str
     keys: list[str]
     args: list[Any]
+    staged: Staged | None
 
     def noop(self, client: Redis) -> Awaitable[Any]:
-        return client.execute_command("FCALL", NOOP_LIBRARY, len(self.keys), *self.keys, *self.args)
+        return call_function(client, NOOP, NOOP_LIBRARY, self.keys, self.args, staged=self.staged)
 
 
 async def one_step(index: PrefixIndex, probes: Probes, counter: SendCounter,
@@ -386,7 +390,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     check_cases(config, cases)
     counter = SendCounter()
     async with redis_url(args.redis) as url:
-        pool = ConnectionPool.from_url(url, decode_responses=False)
+        pool = packing_with_hiredis(ConnectionPool.from_url(url, decode_responses=False))
         counter.install(pool)
         client = Redis(connection_pool=pool)
         try:

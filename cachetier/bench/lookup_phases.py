@@ -29,6 +29,7 @@ import msgpack
 from redis.asyncio import Redis
 
 from cachetier.bench.script_stats import STEP_COMMAND, script_stats, stats_delta
+from index.execution import LoadedLibrary, call_function
 from index.records import StepRequest
 from index.scripts import library
 from index.store import PrefixIndex
@@ -59,6 +60,11 @@ class PhaseLibrary:
     name: str
     step_function: str
     trace_function: str
+
+    @property
+    def loaded(self) -> LoadedLibrary:
+        """As `call_function` sends a library's function (loaded where missing)."""
+        return LoadedLibrary(self.source, {self.step_function: self.step_function}, frozenset())
 
 
 def phase_library() -> PhaseLibrary:
@@ -119,9 +125,9 @@ async def instrumented_step(client: Redis, lib: PhaseLibrary, index: PrefixIndex
                             requests: list[StepRequest], hit: int) -> tuple[dict[str, int], dict[str, int], int]:
     """One step through the instrumented copy, undone as the timed steps are (confirm, release):
     its phase times, how often each marker was passed, and the server's time in the call."""
-    keys, args = index.step_arguments(requests)
+    keys, args, staged = index.step_arguments(requests)
     before = await script_stats(client)
-    raw = await client.execute_command("FCALL", lib.step_function, len(keys), *keys, *args)
+    raw = await call_function(client, lib.loaded, lib.step_function, keys, args, staged=staged)
     _, call_us = stats_delta(before, await script_stats(client), [STEP_COMMAND])
     trace = await client.execute_command("FCALL", lib.trace_function, 0)
     reply = msgpack.unpackb(raw, raw=True)  # the page tables are raw strings, not UTF-8

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 
 from cachetier import credentials
 from cachetier.bench.lookup import (Case, add_case_arguments, build_cases, confirming,
@@ -65,6 +65,7 @@ from gpu_pool.agent import Agent, AgentSettings
 from index.hashing import chain_hashes, namespace_root
 from index.lifecycle import RequestLifecycle
 from index.records import CommitItem, StepPlan, StepRequest
+from index.redis_link import packing_with_hiredis
 from index.store import PrefixIndex
 
 TOKENS = (8192, 1024)
@@ -424,7 +425,7 @@ async def run_once(args: argparse.Namespace) -> dict[str, Any]:
     block, algo = config.cache.hash_block_tokens, config.cache.hash_algo
     wall = time.perf_counter()
     async with redis_url(args.redis) as url:
-        redis = Redis.from_url(url, decode_responses=False)
+        redis = Redis(connection_pool=packing_with_hiredis(ConnectionPool.from_url(url)))
         index = PrefixIndex(redis, pool, config)
         try:
             version = (await redis.info("server"))["redis_version"]

@@ -23,6 +23,7 @@ from cachetier.replay.replayer import (BudgetResult, PolicyCounters, PolicyResul
 from cachetier.replay.traces import TraceRequest
 from cachetier.run.progress import ProgressBar
 from cachetier.run.servers import RedisServer
+from index.redis_link import packing_with_hiredis
 
 
 def _adaptive(ctx: ReplayContext) -> PolicyRunner:
@@ -108,7 +109,8 @@ async def replay_trace(requests: Sequence[TraceRequest], config: Config,
     prompts = PromptHashes(config.model.name, config.cache.hash_algo)
     out = []
     async with RedisServer() as server:
-        pool = BlockingConnectionPool.from_url(server.url, max_connections=64, timeout=30)
+        pool = packing_with_hiredis(
+            BlockingConnectionPool.from_url(server.url, max_connections=64, timeout=30))
         redis = Redis(connection_pool=pool)
         try:
             for n, budget in enumerate(budgets):

@@ -25,6 +25,8 @@
 --   KEYS[14] ckr   HASH  ready checkpoint: boundary chained hash -> its class (one byte, its
 --                        CLASS_INDEX) and its page set (little-endian uint32 ids, the lead first):
 --                        matching probes it alone and restoring reads it, no record decoded
+--   KEYS[15] stage STRING plan_step only, when its caller staged the step's new hashes there
+--                        (one call's key: the caller sets it just before and unlinks it after)
 --
 -- A "page set" is one page per cache group of one kind (MLA or KDA), allocated, pinned and freed
 -- as a unit; its first page is the lead and holds the record; the other pages have none.
@@ -343,6 +345,27 @@ end
 local function block_hash(blob, hl, i)
   return string.sub(blob, (i - 1) * hl + 1, i * hl)
 end
+
+-- A prompt's chained hashes (`count` of `hl` bytes, one per complete hash block) for a lookup,
+-- wherever they are: a script argument (`held_hashes`), or a range of the key a big step staged
+-- them in (`staged_hashes`, plan_step): Lua interns every byte of every argument (~1.2 ns a
+-- byte: 38 us for a 1M-token prompt's 32 KB), while a lookup reads a few dozen hashes.
+local function held_hashes(blob, hl)
+  return {blob = blob, hl = hl, count = math.floor(#blob / hl)}
+end
+
+local function staged_hashes(key, offset, count, hl)
+  return {key = key, offset = offset, hl = hl, count = count}
+end
+
+-- Hashes first..last (1-based, inclusive) as one string: one GETRANGE when staged.
+local function hash_run(hs, first, last)
+  if last < first then return "" end
+  if hs.blob then return string.sub(hs.blob, (first - 1) * hs.hl + 1, last * hs.hl) end
+  return redis.call("GETRANGE", hs.key, hs.offset + (first - 1) * hs.hl, hs.offset + last * hs.hl - 1)
+end
+
+local function hash_at(hs, i) return hash_run(hs, i, i) end
 
 -- The class-dependent terms of the score (eviction.policy.EvictionWeights.terms): the highest
 -- bonus and the value per page freed over what evicting `rec` removes (a checkpoint: itself; an

@@ -26,7 +26,7 @@ if ARGV[5] ~= nil and ARGV[5] ~= "" then
   if deadline == nil then fail("BADINPUT", "the lease deadline must be a number or empty") end
   check_lease(rid, deadline)
 end
-local _, hit, ck, e, ready = match_prefix(m, tokens, blob)
+local _, hit, ck, e, ready = match_prefix(m, tokens, held_hashes(blob, m.hash_len))
 if hit == 0 then return reply({epoch = m.epoch, hit = 0, mla = "", ckpt = {}}) end
 
 local mla = (redis.call("HGET", K_PATH, e[1]) or "") .. pack_ids(mla_pages(m, e[1]))

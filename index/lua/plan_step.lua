@@ -1,6 +1,9 @@
 -- plan_step.lua - lookup + pin + allocate for a whole scheduling step, atomically.
 --
--- KEYS    - the pool's keys, see lib.lua
+-- KEYS    - the pool's keys, see lib.lua; KEYS[15], when given, a key the caller staged the new
+--           requests' hash blobs in, one after the other in batch order (a big step's: Lua
+--           interns every byte of an argument, GETRANGE reads only what the lookup probes); the
+--           ARGV then holds no blob and the caller deletes the key
 -- ARGV[1] - epoch the caller planned against
 -- ARGV[2] - msgpack list of requests: {rid = str, compute = tokens to compute this step,
 --           ckpt = 0|1 (persist a checkpoint when crossing a hash block), at_match = 0|1 (default 0: end the
@@ -20,7 +23,8 @@
 --           recycle it), lease = a deadline in ms (optional: the request's lease runs to it,
 --           renewed by each step; release.lua reaps it past that)}.
 --           An active request id continues its prefill; an unknown one is looked up.
--- ARGV[3..n-1] - the new requests' hash blobs (kept out of the msgpack batch: one copy less)
+-- ARGV[3..n-1] - the new requests' hash blobs (kept out of the msgpack batch: one copy less),
+--           unless staged
 -- ARGV[n]  - the new ticket's nonce (lib.lua `check_nonce`)
 -- returns msgpack {ok = 1, ticket, nonce, epoch, requests = {{rid, hit, match, start, stop, shared,
 --           own, state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
@@ -46,6 +50,8 @@ local nonce = check_nonce(ARGV[#ARGV])
 local batch = unpack_arg(batch_blob, "batch")
 local B, PB, HL = m.block_tokens, m.blocks_per_page, m.hash_len
 local PT = B * PB
+local STAGED = KEYS[15]
+local staged_bytes, blobs = 0, 0  -- the new requests' hashes seen so far
 if #batch == 0 then fail("BADINPUT", "empty step: nothing to plan") end
 if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " requests exceeds max_batch " .. m.max_batch) end
 -- phase end: batch
@@ -76,11 +82,27 @@ local function check_request(item, seen)
     return r, nil
   end
   if not is_int(item.tokens, 1, 1099511627776) then fail("BADINPUT", item.rid .. ": tokens must be an integer >= 1") end
+  local count = math.floor(item.tokens / B)
+  blobs = blobs + 1
+  if STAGED then  -- blob n follows blob n - 1 in the staged key
+    if item.hashes ~= blobs then fail("BADINPUT", item.rid .. ": staged hashes must be numbered in batch order") end
+    staged_bytes = staged_bytes + count * HL
+    return nil, staged_hashes(STAGED, staged_bytes - count * HL, count, HL)
+  end
   local blob = is_int(item.hashes, 1, #ARGV - 3) and ARGV[2 + item.hashes]
-  if not blob or #blob ~= math.floor(item.tokens / B) * HL then
+  if not blob or #blob ~= count * HL then
     fail("BADINPUT", item.rid .. ": hashes must hold one " .. HL .. "-byte hash per complete " .. B .. "-token block")
   end
-  return nil, blob
+  return nil, held_hashes(blob, HL)
+end
+
+-- Staged hashes must be exactly the new requests' (a size check: a short key would read as
+-- missing hashes, a longer one belongs to some other step).
+local function check_staged()
+  local size = redis.call("STRLEN", STAGED)
+  if size ~= staged_bytes then
+    fail("BADINPUT", "the staged hashes hold " .. size .. " bytes, the step's new requests " .. staged_bytes)
+  end
 end
 
 -- The hit through anchor page z with `fill` blocks: its ancestors' page sets are served from the
@@ -98,12 +120,13 @@ end
 -- Phase A (read-only): validate, look up, and size every request.
 local plans, seen, need = {}, {}, 0
 for n, item in ipairs(batch) do
-  local r, blob = check_request(item, seen)
-  local p = {item = item, r = r, blob = blob, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
+  local r, hs = check_request(item, seen)
+  local p = {item = item, r = r, hs = hs, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
+  if n == #batch and STAGED then check_staged() end
   -- phase end: validate
   if r == nil then
     local depth, e
-    depth, p.hit, p.ckpt, e, p.ready = match_prefix(m, item.tokens, blob)
+    depth, p.hit, p.ckpt, e, p.ready = match_prefix(m, item.tokens, hs)
     p.match = depth * B
     if p.hit > 0 then hit_pages(p, e) end
     -- phase end: match
@@ -217,7 +240,7 @@ local function start_request(p, rid, copies)
       r.pend[#r.pend + 1] = {t = m.ticket + 1, unpin = p.ckpt, fills = {}, ck = -1, ckh = ""}
     end
   end
-  reqh_pairs[#reqh_pairs + 1], reqh_pairs[#reqh_pairs + 2] = rid, string.sub(p.blob, hoff * HL + 1)
+  reqh_pairs[#reqh_pairs + 1], reqh_pairs[#reqh_pairs + 2] = rid, hash_run(p.hs, hoff + 1, p.hs.count)
   return r
 end
 

@@ -13,5 +13,5 @@
 local m = load_meta(nil)
 local tokens, blob = tonumber(ARGV[1]), ARGV[2] or ""
 check_prompt(m, tokens, blob)
-local depth, hit = match_prefix(m, tokens, blob)
+local depth, hit = match_prefix(m, tokens, held_hashes(blob, m.hash_len))
 return reply({epoch = m.epoch, mla = depth, hit = hit})
