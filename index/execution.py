@@ -144,7 +144,7 @@ async def _on_slot(redis: RedisClient, key: str, commands: list[tuple[Any, ...]]
     """The commands in one pipeline, on the master of `key`'s slot on a cluster."""
     if isinstance(redis, BoundedCluster):
         return await _on_slot_master(redis, key, commands)
-    return await _on_server(redis, commands)
+    return await on_server(redis, commands)
 
 
 def _acknowledged(reply: Any, acked: Any, acks: ReplicaAcks) -> Any:
@@ -175,7 +175,7 @@ async def run_script(redis: RedisClient, script: LoadedScript, keys: Sequence[st
     return _acknowledged(reply, acked, acks)
 
 
-async def _on_server(redis: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+async def on_server(redis: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
     """The commands in one write on one connection of the pool, and their replies in order (an
     error reply in its place). Not redis-py's pipeline object, which cost ~35 us more for a
     step's three commands; nor its retries: a connection lost mid-way raises, since the writes

@@ -26,10 +26,10 @@ import asyncio
 import itertools
 import time
 import weakref
+from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, PipelineCommand
 from redis.exceptions import (AskError, ClusterDownError, RedisError, ResponseError,
                               TryAgainError)
@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from index.errors import StorageRollback, UnknownPool, from_reply
-from index.execution import call_function, function_missing
+from index.execution import call_function, function_missing, on_server
 from index.identity import PoolView
 from index.prefix import PrefixProbe
 from index.redis_link import BoundedCluster, torn_down_is_lost
@@ -64,7 +64,8 @@ async def probe_pools(indexes: Sequence[PrefixIndex], prompt_tokens: int, hashes
     if isinstance(redis, BoundedCluster):
         replies, on_replica = await _on_cluster(redis, indexes, args, replicas)
     else:
-        replies, on_replica = await _probe(_server(redis), indexes, args), [False] * len(indexes)
+        replies = await _probe(partial(on_server, redis), indexes, args)
+        on_replica = [False] * len(indexes)
     return [_answer(index, view, reply, replica)
             for index, view, reply, replica in zip(indexes, views, replies, on_replica)]
 
@@ -104,15 +105,6 @@ async def _probe(send: Send, indexes: Sequence[PrefixIndex], args: list[Any],
         for n, reply in zip(missing, again):
             replies[n] = reply
     return replies
-
-
-def _server(redis: Redis) -> Send:
-    async def send(commands: list[tuple[Any, ...]]) -> list[Any]:
-        async with redis.pipeline(transaction=False) as pipe:
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(await pipe.execute(raise_on_error=False))
-    return send
 
 
 def _node(cluster: BoundedCluster, node: ClusterNode) -> Send:
