@@ -104,9 +104,11 @@ async def call_function(redis: RedisClient, library: LoadedLibrary, name: str,
                         keys: Sequence[str], args: Sequence[Any],
                         acks: ReplicaAcks | None = None, staged: Staged | None = None) -> Any:
     """The reply of the library's function `name`; with `acks`, once that many replicas hold
-    what it wrote; with `staged`, its bytes under their key while it runs. A server without the
-    library gets it first (above)."""
+    what it wrote; with `staged`, its bytes under their key, the function's key after `keys`,
+    while it runs. A server without the library gets it first (above)."""
     op = "FCALL_RO" if name in library.read_only else "FCALL"
+    if staged is not None:
+        keys = [*keys, staged.key]
     call = (op, library.functions[name], len(keys), *keys, *args)
     load = ("FUNCTION", "LOAD", "REPLACE", library.source)
     before, after = ([], []) if staged is None else ([staged.before()], [staged.after()])

@@ -26,8 +26,8 @@ import asyncio
 import itertools
 import time
 import weakref
-from functools import partial
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from redis.asyncio.cluster import ClusterNode, PipelineCommand

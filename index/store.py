@@ -147,12 +147,11 @@ class PrefixIndex:
 
     def step_arguments(self, requests: Sequence[StepRequest]
                        ) -> tuple[list[str], list[Any], Staged | None]:
-        """The KEYS, ARGV and staged hashes `plan_step(requests)` would send now, checked as it
-        checks them: a benchmark sends them to a no-op script to measure what Redis costs before
-        any Lua runs."""
+        """The KEYS, ARGV and staged hashes (their key the last KEY, `call_function`)
+        `plan_step(requests)` would send now, checked as it checks them: a benchmark sends them
+        to a no-op script to measure what Redis costs before any Lua runs."""
         args, staged = self._step_arguments(requests)
-        keys = self.keys if staged is None else [*self.keys, staged.key]
-        return keys, [self.view.argument, *args], staged
+        return self.keys, [self.view.argument, *args], staged
 
     def _step_arguments(self, requests: Sequence[StepRequest]) -> tuple[list[Any], Staged | None]:
         """The ARGV after the view, and the staged hashes (None: they are in the ARGV)."""
@@ -304,9 +303,8 @@ class PrefixIndex:
 
     async def _script(self, name: str, args: list[Any], staged: Staged | None = None) -> Any:
         """One script call; a pool this view has seen that is gone is `StorageLost`."""
-        keys = self.keys if staged is None else [*self.keys, staged.key]
         try:
-            return await self._scripts.call(name, keys, args, staged)
+            return await self._scripts.call(name, self.keys, args, staged)
         except (UnknownPool, StorageRollback) as exc:
             raise self.storage_error(exc) from None
 

@@ -87,8 +87,8 @@ async def test_bad_plan_is_refused_without_a_write(warm, redis, case):
 async def raw_staged(d, batch: bytes, staged: bytes):
     """plan_step with `staged` as its staged hashes (index.execution.Staged), as a big step."""
     stage = Staged(stage_key(d.index.keys, "test"), staged)
-    return await d.index._scripts.call("plan_step", [*d.index.keys, stage.key],
-                                       [d.index.epoch, batch, NONCE], stage)
+    return await d.index._scripts.call("plan_step", d.index.keys, [d.index.epoch, batch, NONCE],
+                                       stage)
 
 
 STAGED_PLAN_CASES = {

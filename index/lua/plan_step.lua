@@ -122,7 +122,6 @@ local plans, seen, need = {}, {}, 0
 for n, item in ipairs(batch) do
   local r, hs = check_request(item, seen)
   local p = {item = item, r = r, hs = hs, anchor = -1, ckpt = -1, hit = 0, shared = "", cow = 0}
-  if n == #batch and STAGED then check_staged() end
   -- phase end: validate
   if r == nil then
     local depth, e
@@ -156,6 +155,7 @@ for n, item in ipairs(batch) do
   plans[n] = p
   -- phase end: size
 end
+if STAGED then check_staged() end
 
 -- With too few free pages, a lower bound on what eviction can free: every member frees at least
 -- its own page set, but not the members this step pins (in `lru` exactly when evictable, as
