@@ -137,13 +137,12 @@ class PrefixIndex:
 
     async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
         args, staged = self._step_arguments(requests)
-        reply = await self._call("plan_step", args, staged=staged)
-        if not reply["ok"]:
-            return StepRefusal(reply["reason"].decode(), reply["need"], reply["available"])
-        groups = self.config.model.mla_groups
-        return StepPlan(ticket=compose(reply["ticket"], reply["nonce"]), epoch=reply["epoch"],
-                        requests=[_request_plan(r, groups) for r in reply["requests"]],
-                        evicted=reply["evicted"], removed=_removals(reply["removed"]))
+        raw = await self._call("plan_step", args, decode=False, staged=staged)
+        writes, outcome = decode_step(raw, self.config.model.mla_groups)
+        self.writes = max(self.writes, writes)
+        if isinstance(outcome, StepPlan):
+            self.ticket = max(self.ticket, split(outcome.ticket)[0])
+        return outcome
 
     def step_arguments(self, requests: Sequence[StepRequest]
                        ) -> tuple[list[str], list[Any], Staged | None]:
@@ -399,9 +398,9 @@ def _pack(value: object) -> bytes:
 
 def _decoded(raw: bytes) -> dict[str, Any]:
     """A script's msgpack reply. Redis' cmsgpack packs every string alike, so keys and hashes
-    arrive as bytes; the reply's own keys become str, while the per-request maps a step's reply
-    lists keep byte keys (`_request_plan`, `_committed`): decoding every key of 64 of them cost
-    more than the unpacking."""
+    arrive as bytes; the reply's own keys become str, while the per-request maps a commit's reply
+    lists keep byte keys (`_committed`): decoding every key of 64 of them cost more than the
+    unpacking."""
     return {k.decode(): v for k, v in msgpack.unpackb(raw, raw=True).items()}
 
 
@@ -432,11 +431,26 @@ def _page_table(shared: bytes, own: bytes, groups: int) -> list[list[int]]:
     return [list(ids[g::groups]) for g in range(groups)]
 
 
-def _request_plan(r: dict[bytes, Any], groups: int) -> RequestPlan:
+def decode_step(raw: list[Any], groups: int) -> tuple[int, StepPlan | StepRefusal]:
+    """plan_step.lua's array reply (that script's header says what is where; not a msgpack
+    map, which cost a pack in Lua and an unpack here on every step): the pool's write count,
+    and the plan or the refusal."""
+    status, writes, *reply = raw
+    if not status:
+        reason, need, available = reply
+        return writes, StepRefusal(reason.decode(), need, available)
+    epoch, ticket, nonce, evicted, removed, planned = reply
+    return writes, StepPlan(ticket=compose(ticket, nonce), epoch=epoch,
+                            requests=[_request_plan(r, groups) for r in planned],
+                            evicted=evicted, removed=_removals(removed))
+
+
+def _request_plan(r: list[Any], groups: int) -> RequestPlan:
+    """One request of plan_step.lua's array reply, its fields in the order the script lists."""
+    rid, hit, match, start, stop, shared, own, state, ckpt, ckpt_tokens, copies = r
     return RequestPlan(
-        rid=r[b"rid"].decode(), hit_tokens=r[b"hit"], start=r[b"start"], stop=r[b"stop"],
-        mla_pages=_page_table(r[b"shared"], r[b"own"], groups), state_pages=list(_ids(r[b"state"])),
-        checkpoint_pages=list(_ids(r[b"ckpt"])), checkpoint_tokens=r[b"ckpt_tokens"],
-        copies=[PageCopy(*c) for c in COPY_FORMAT.iter_unpack(r[b"copies"])],
-        match_tokens=r[b"match"])
+        rid=rid.decode(), hit_tokens=hit, start=start, stop=stop,
+        mla_pages=_page_table(shared, own, groups), state_pages=list(_ids(state)),
+        checkpoint_pages=list(_ids(ckpt)), checkpoint_tokens=ckpt_tokens,
+        copies=[PageCopy(*c) for c in COPY_FORMAT.iter_unpack(copies)], match_tokens=match)
 

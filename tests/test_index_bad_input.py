@@ -13,9 +13,10 @@ from eviction.policy import EvictionWeights, lru
 from index.errors import (BadRequest, PoolConflict, StorageRollback, UnknownEntity,
                           UnknownPool)
 from index.hashing import chain_hashes
-from index.records import StepRequest
+from index.records import StepPlan, StepRequest
 from index.execution import Staged
-from index.store import PrefixIndex, stage_key
+from index.store import PrefixIndex, decode_step, stage_key
+from index.tickets import split
 from tests.index_harness import ROOT, make, new_request, serve, small_config
 from tests.redis_harness import dump
 
@@ -114,17 +115,17 @@ async def test_bad_staged_plan_is_refused_without_a_write_or_its_key_left(warm, 
 
 
 async def test_the_staged_cases_are_valid_once_fixed(warm, redis):
-    reply = msgpack.unpackb(await raw_staged(warm, packed([new_item(rid="a"), new_item(
-        rid="b", hashes=2)]), GOOD_HASHES * 2), raw=True)
-    assert reply[b"ok"] == 1 and [r[b"rid"] for r in reply[b"requests"]] == [b"a", b"b"]
+    _, plan = decode_step(await raw_staged(warm, packed([new_item(rid="a"), new_item(
+        rid="b", hashes=2)]), GOOD_HASHES * 2), CONFIG.model.mla_groups)
+    assert isinstance(plan, StepPlan) and [r.rid for r in plan.requests] == ["a", "b"]
     assert not await redis.keys("*:stage:*")
 
 
 async def test_the_raw_plan_cases_are_valid_once_fixed(warm):
     """The cases above fail for the reason they name: the same call with good values succeeds."""
-    reply = msgpack.unpackb(await raw(warm, "plan_step", packed([new_item()]), GOOD_HASHES, NONCE),
-                            raw=True)
-    assert reply[b"ok"] == 1 and reply[b"nonce"] == NONCE
+    _, plan = decode_step(await raw(warm, "plan_step", packed([new_item()]), GOOD_HASHES, NONCE),
+                          CONFIG.model.mla_groups)
+    assert isinstance(plan, StepPlan) and split(plan.ticket)[1] == NONCE
 
 
 COMMIT_CASES = {

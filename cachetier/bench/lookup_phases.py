@@ -25,15 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 from redis.asyncio import Redis
 
 from cachetier.bench.script_stats import STEP_COMMAND, script_stats, stats_delta
 from index.execution import LoadedLibrary, call_function
-from index.records import StepRequest
+from index.records import StepPlan, StepRequest
 from index.scripts import library
-from index.store import PrefixIndex
-from index.tickets import compose
+from index.store import PrefixIndex, decode_step
 
 STEP_SCRIPT = "plan_step"
 TRACE_SUFFIX = "phase_trace"
@@ -130,13 +128,13 @@ async def instrumented_step(client: Redis, lib: PhaseLibrary, index: PrefixIndex
     raw = await call_function(client, lib.loaded, lib.step_function, keys, args, staged=staged)
     _, call_us = stats_delta(before, await script_stats(client), [STEP_COMMAND])
     trace = await client.execute_command("FCALL", lib.trace_function, 0)
-    reply = msgpack.unpackb(raw, raw=True)  # the page tables are raw strings, not UTF-8
-    if reply.get(b"ok") != 1:
-        raise RuntimeError(f"phases: the pool refused the step: {reply.get(b'reason')!r}")
-    misses = [r[b"hit"] for r in reply[b"requests"] if r[b"hit"] != hit]
+    _, plan = decode_step(raw, index.config.model.mla_groups)
+    if not isinstance(plan, StepPlan):
+        raise RuntimeError(f"phases: the pool refused the step: {plan.reason}")
+    misses = [r.hit_tokens for r in plan.requests if r.hit_tokens != hit]
     if misses:
         raise RuntimeError(f"phases: expected every request to hit at {hit} tokens, got {misses[:4]}")
-    await index.confirm(compose(reply[b"ticket"], reply[b"nonce"]))
+    await index.confirm(plan.ticket)
     await index.release([r.rid for r in requests])
     names = [n.decode() for n in trace[0::2]]
     return phase_times(trace), {n: names.count(n) for n in set(names)}, call_us

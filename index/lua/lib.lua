@@ -632,6 +632,15 @@ local function reply(result)
   return cmsgpack.pack(result)
 end
 
+-- The same as a RESP array, {status, wc, ...} (plan_step, called every scheduling step):
+-- Redis converts the table in C and the client's hiredis parses it, where a msgpack map costs
+-- a pack here and an unpack there. No element may be nil (a nil ends a Lua array), and numbers
+-- arrive as integers (Redis truncates them).
+local function array_reply(status, ...)
+  flush_cached()
+  return {status, META_WC, ...}
+end
+
 -- The start of every call: its keys, and fresh per-call state (the caches, the write count its
 -- reply carries, the step's reserved ids).
 local function begin_call(keys)

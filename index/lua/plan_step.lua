@@ -26,14 +26,15 @@
 -- ARGV[3..n-1] - the new requests' hash blobs (kept out of the msgpack batch: one copy less),
 --           unless staged
 -- ARGV[n]  - the new ticket's nonce (lib.lua `check_nonce`)
--- returns msgpack {ok = 1, ticket, nonce, epoch, requests = {{rid, hit, match, start, stop, shared,
---           own, state, ckpt, ckpt_tokens, copies}}, evicted, removed} (`match` = the MLA match found
---           at lookup, in tokens) where `shared` is the page table of the slots served from the
---           cache and `own` the request's page sets after them (both uint32 ids, slot-major),
---           `state` and `ckpt` page sets (uint32 ids) and `copies` the restore and copy-on-write
---           copies (each src, dst as uint32, offset, nbytes as uint64: COPY_FORMAT), all packed
---           little-endian so that neither side builds a table per id; or
---           {ok = 0, reason, need, available}
+-- returns an array (lib.lua `array_reply`, in this order; index/store.py reads it by position):
+--           {1, wc, epoch, ticket, nonce, evicted, removed = {{kind, hash}...}, requests =
+--           {{rid, hit, match, start, stop, shared, own, state, ckpt, ckpt_tokens, copies}...}}
+--           (`match` = the MLA match found at lookup, in tokens) where `shared` is the page table
+--           of the slots served from the cache and `own` the request's page sets after them (both
+--           uint32 ids, slot-major), `state` and `ckpt` page sets (uint32 ids) and `copies` the
+--           restore and copy-on-write copies (each src, dst as uint32, offset, nbytes as uint64:
+--           COPY_FORMAT), all packed little-endian so that neither side builds a table per id;
+--           or {0, wc, reason, need, available}
 --
 -- Order matters (DESIGN.md invariant 1): every hit of the step is pinned before the first
 -- eviction or allocation, so allocating for one request can never evict what another just hit.
@@ -58,6 +59,8 @@ if #batch > m.max_batch then fail("BADINPUT", "batch of " .. #batch .. " request
 
 -- The two-stage lookup (match_prefix) comes from match.lua, shared with probe and pin_prefix.
 
+local STEP_FLAGS = {"ckpt", "at_match", "at_page", "at_last", "at_resend"}  -- each 0 or 1
+
 local function check_request(item, seen)
   if type(item) ~= "table" or type(item.rid) ~= "string" or #item.rid == 0 then
     fail("BADINPUT", "each request needs a non-empty string rid")
@@ -68,7 +71,7 @@ local function check_request(item, seen)
   item.at_match, item.at_page, item.at_last = item.at_match or 0, item.at_page or 0, item.at_last or 0
   item.at_resend = item.at_resend or 0
   check_lease(item.rid, item.lease)
-  for _, flag in ipairs({"ckpt", "at_match", "at_page", "at_last", "at_resend"}) do
+  for _, flag in ipairs(STEP_FLAGS) do
     if item[flag] ~= 0 and item[flag] ~= 1 then fail("BADINPUT", item.rid .. ": " .. flag .. " must be 0 or 1") end
   end
   if item.turn_end ~= nil and (not IS_COMMIT_KIND[item.turn_end] or item.turn_end == "intermediate") then
@@ -176,8 +179,8 @@ local free = free_count(m)
 if free < need then
   local available = free + evictable_after_pins()
   if available < need then
-    return reply({ok = 0, reason = "pool exhausted: the step needs " .. need .. " pages, " .. available ..
-                  " are free or evictable", need = need, available = available})
+    return array_reply(0, "pool exhausted: the step needs " .. need .. " pages, " .. available ..
+                       " are free or evictable", need, available)
   end
 end
 -- phase end: capacity
@@ -273,9 +276,8 @@ for n, p in ipairs(plans) do
   for i, lead in ipairs(r.own) do own[i] = pack_ids(fresh_sets[lead] or mla_pages(m, lead)) end
   if r.state >= 0 then state = pack_ids(set_pages(r.state)) end
   if r.ck >= 0 then ckpt = pack_ids(set_pages(r.ck)) end
-  out[n] = {rid = rid, hit = r.hit, match = r.mt, start = p.start, stop = p.stop, shared = r.spath,
-            own = table.concat(own), state = state, ckpt = ckpt,
-            ckpt_tokens = p.want_ckpt and math.floor(p.stop / B) * B or 0, copies = table.concat(copies)}
+  out[n] = {rid, r.hit, r.mt, p.start, p.stop, r.spath, table.concat(own), state, ckpt,
+            p.want_ckpt and math.floor(p.stop / B) * B or 0, table.concat(copies)}
   -- phase end: answer
 end
 hset_pairs(K_REQ, req_pairs)
@@ -283,7 +285,6 @@ hset_pairs(K_REQH, reqh_pairs)
 local ticket = new_ticket(m, rids, nonce)
 save_meta(m)
 -- phase end: writes
-local answer = reply({ok = 1, ticket = ticket, nonce = nonce, epoch = m.epoch, requests = out,
-                      evicted = #removed, removed = removed})
+local answer = array_reply(1, m.epoch, ticket, nonce, #removed, removed, out)
 -- phase end: reply
 return answer
