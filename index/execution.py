@@ -110,17 +110,17 @@ async def call_function(redis: RedisClient, library: LoadedLibrary, name: str,
     if staged is not None:
         keys = [*keys, staged.key]
     call = (op, library.functions[name], len(keys), *keys, *args)
+    if acks is None and staged is None:  # one command, no pipeline (the common call)
+        try:
+            return await redis.execute_command(*call)
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
     load = ("FUNCTION", "LOAD", "REPLACE", library.source)
     before, after = ([], []) if staged is None else ([staged.before()], [staged.after()])
     sent, at = [*before, call, *after], len(before)  # at: the call's place in `sent`
     if acks is None:
-        if staged is None:  # one command, no pipeline
-            try:
-                return await redis.execute_command(*call)
-            except ResponseError as exc:
-                if not function_missing(exc):
-                    raise
-        else:
+        if staged is not None:
             replies = await _on_slot(redis, keys[0], sent)
             if not function_missing(replies[at]):
                 return _reply_at(replies, at)
