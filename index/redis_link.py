@@ -35,7 +35,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import (AskError, ClusterDownError, ClusterError, OutOfMemoryError,
                               RedisClusterException, ReadOnlyError, RedisError, ResponseError,
-                              TryAgainError)
+                              SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -137,7 +137,16 @@ def packing_with_hiredis(pool: ConnectionPool) -> ConnectionPool:
 
 class BoundedCluster(RedisCluster):
     """`RedisCluster` whose calls in flight are bounded: a call past the bound waits for one to
-    finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection."""
+    finish (up to `wait_s`), as a `BlockingConnectionPool` makes it wait for a connection.
+
+    It sends a command again only when no node ran it (the cluster answered CLUSTERDOWN, or no
+    node serves the slot yet). redis-py's cluster client also sends it again, up to 10 times,
+    after a connection lost or timed out mid-call, when the node may have run it: a write script
+    would run twice (a confirm then finds its ticket gone and answers it unknown; a plan finds
+    its requests already planned). Such a call raises instead, transient, as on one server
+    (`execution.on_server`); the caller knows whether it is safe to send again."""
+
+    ERRORS_ALLOW_RETRY = (ClusterDownError, SlotNotCoveredError)
 
     def __init__(self, nodes: tuple[tuple[str, int], ...], bound: int, wait_s: float,
                  **options: Any) -> None:

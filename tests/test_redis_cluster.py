@@ -257,6 +257,29 @@ async def test_route_on_one_server_is_one_round_trip_for_every_pool(redis, monke
     assert await probe_pools(indexes, 200, hashes) == own and len(sent) == 1
 
 
+async def test_a_call_whose_reply_is_lost_is_not_sent_again(cluster_client, monkeypatch):
+    """The node ran the write and its reply never came back: the caller learns that (a
+    transient error) rather than redis-py's cluster client sending it again, which would run it
+    twice (INCR stands for a write script: a second confirm finds its ticket gone)."""
+    real = AbstractConnection.read_response
+    lost: list[object] = []
+
+    async def lose_the_first_reply(connection, *args, **kwargs):
+        reply = await real(connection, *args, **kwargs)
+        if not lost:
+            lost.append(reply)
+            raise RedisConnectionError("connection lost before the reply was read")
+        return reply
+    await cluster_client.set("{lost}n", 0)
+    monkeypatch.setattr(AbstractConnection, "read_response", lose_the_first_reply)
+    with pytest.raises(RedisConnectionError):
+        await cluster_client.incr("{lost}n")
+    monkeypatch.undo()
+    assert lost == [1]
+    assert int(await cluster_client.get("{lost}n")) == 1  # it ran, once
+    assert await cluster_client.incr("{lost}n") == 2      # and the next call goes through
+
+
 @pytest.mark.parametrize("exc", [
     ClusterDownError("The cluster is down"), MasterDownError("Link with MASTER is down"),
     TryAgainError("Multiple keys request during rehashing of slot"),
