@@ -33,6 +33,7 @@ def test_quick_run_hits_every_case_in_one_round_trip(capsys: pytest.CaptureFixtu
     assert code == 0, err
     result = json.loads(out)
     assert result["preset"] == "kimi-k3" and result["redis_version"]
+    assert result["latency_tracking"] == "no"  # the server's setting: this one cachetier started
     assert [(c["tokens"], c["batch"]) for c in result["cases"]] == [
         (4096, 1), (4096, 4), (16384, 1), (16384, 4)]
     for case in result["cases"]:
@@ -99,6 +100,9 @@ def test_phases_split_the_step_script_where_its_markers_say(capsys: pytest.Captu
         assert phases["meta"] > 0 and case["phase_probe_us"] >= 0  # an HMGET is never free
         assert case["phases_sum_us_per_request"] == pytest.approx(sum(phases.values()), abs=0.1)
         assert case["phases_call_us_per_request"] > 0
+        # the client's work around the call: packing a msgpack batch, decoding a plan
+        assert set(case["client_us_per_request"]) == {"arguments", "decode"}
+        assert all(us > 0 for us in case["client_us_per_request"].values())
     assert "4096 tokens x 4: phases, us per request: meta" in err
     # neither the probed library nor any key outlives the run; cachetier's own stays loaded
     assert all_keys(redis_url) == before_keys

@@ -100,7 +100,8 @@ def test_the_cluster_profile_runs_the_settings_the_index_needs(services: dict[st
             "--cluster-config-file": "nodes.conf",
             "--cluster-node-timeout": "?", "--min-replicas-to-write": "1",
             "--repl-diskless-sync-delay": "0", "--appendonly": "yes", "--appendfsync": "everysec",
-            "--maxmemory": "256mb", "--maxmemory-policy": "noeviction"}
+            "--maxmemory": "256mb", "--maxmemory-policy": "noeviction",
+            "--latency-tracking": "no"}
         assert int(flags(node)["--cluster-node-timeout"]) <= 5000
         assert any(volume.split(":")[1] == "/data" for volume in node["volumes"])
     init = services["redis-cluster-init"]
@@ -123,6 +124,7 @@ def test_redis_persists_with_aof(services: dict[str, Any]) -> None:
     redis = services["redis"]
     assert redis["image"] == "redis:7"
     assert flags(redis)["--appendonly"] == "yes"
+    assert flags(redis)["--latency-tracking"] == "no"  # as every redis-server cachetier starts
     assert any(volume.split(":")[1] == "/data" for volume in redis["volumes"])
     assert "ports" not in redis  # only the service talks to it
 

@@ -36,6 +36,8 @@ def test_redis_starts_answers_and_stops(tcp: bool) -> None:
         # bounded, and refusing writes at the bound rather than evicting index keys
         assert client.config_get("maxmemory") == {"maxmemory": str(1 << 30)}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        # no latency histogram per command, so not per command a script issues
+        assert client.config_get("latency-tracking") == {"latency-tracking": "no"}
         client.close()
     assert_gone(pid, workdir)
 

@@ -342,7 +342,8 @@ async def measure(client: Redis, counter: SendCounter, config: Config, case: Cas
         progress(f"{case.tokens} tokens x {case.batch}: phases, us per request: "
                  + ", ".join(f"{n} {us}" for n, us in result["phases_us_per_request"].items())
                  + f"; sum {result['phases_sum_us_per_request']} of the call's "
-                 f"{result['phases_call_us_per_request']}")
+                 f"{result['phases_call_us_per_request']}; client: "
+                 + ", ".join(f"{n} {us}" for n, us in result["client_us_per_request"].items()))
     return result
 
 
@@ -395,6 +396,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         client = Redis(connection_pool=pool)
         try:
             version = (await client.info("server"))["redis_version"]
+            # None before Redis 7, which had no such histograms
+            tracking = (await client.config_get("latency-tracking")).get("latency-tracking")
             phases = phase_library() if args.phases else None
             await client.execute_command("FUNCTION", "LOAD", "REPLACE", NOOP_SOURCE)
             if phases is not None:
@@ -407,4 +410,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await client.execute_command("FUNCTION", "DELETE", phases.name)
         finally:
             await client.aclose(close_connection_pool=True)
-    return {"cases": results, "redis_version": version, "preset": args.preset}
+    # whether the server keeps per-command latency histograms, which cost a script's commands
+    # (run/servers.py SCRIPT_TUNING)
+    return {"cases": results, "redis_version": version, "latency_tracking": tracking,
+            "preset": args.preset}

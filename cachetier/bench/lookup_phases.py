@@ -14,6 +14,10 @@ back) is subtracted. That is an estimate: one reading cost 1-2 us back to back h
 twice that amid the script's work, so a small phase reads high or low by a microsecond or so
 per marker it holds, and one near a microsecond per request can read 0. The phases say where
 the time goes; `server_us_per_request`, measured without probes, says how much there is.
+
+The same steps also time the client's own work on either side of the call, which no phase sees:
+building the step's arguments (`PrefixIndex.step_arguments`) and decoding its reply
+(`decode_step`), the two parts of `plan_step` besides the call itself.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,18 +122,35 @@ class PhaseSamples:
     calls: list[dict[str, int]] = field(default_factory=list)
     call_us: list[int] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    arguments_ns: list[int] = field(default_factory=list)
+    decode_ns: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One step through the instrumented copy: its phase times, how often each marker was
+    passed, the server's time in the call, and the client's on either side of it."""
+
+    times: dict[str, int]
+    counts: dict[str, int]
+    call_us: int
+    arguments_ns: int
+    decode_ns: int
 
 
 async def instrumented_step(client: Redis, lib: PhaseLibrary, index: PrefixIndex,
-                            requests: list[StepRequest], hit: int) -> tuple[dict[str, int], dict[str, int], int]:
-    """One step through the instrumented copy, undone as the timed steps are (confirm, release):
-    its phase times, how often each marker was passed, and the server's time in the call."""
+                            requests: list[StepRequest], hit: int) -> TracedStep:
+    """One step through the instrumented copy, undone as the timed steps are (confirm, release)."""
+    start = time.perf_counter_ns()
     keys, args, staged = index.step_arguments(requests)
+    arguments_ns = time.perf_counter_ns() - start
     before = await script_stats(client)
     raw = await call_function(client, lib.loaded, lib.step_function, keys, args, staged=staged)
     _, call_us = stats_delta(before, await script_stats(client), [STEP_COMMAND])
     trace = await client.execute_command("FCALL", lib.trace_function, 0)
+    start = time.perf_counter_ns()
     _, plan = decode_step(raw, index.config.model.mla_groups)
+    decode_ns = time.perf_counter_ns() - start
     if not isinstance(plan, StepPlan):
         raise RuntimeError(f"phases: the pool refused the step: {plan.reason}")
     misses = [r.hit_tokens for r in plan.requests if r.hit_tokens != hit]
@@ -137,7 +159,8 @@ async def instrumented_step(client: Redis, lib: PhaseLibrary, index: PrefixIndex
     await index.confirm(plan.ticket)
     await index.release([r.rid for r in requests])
     names = [n.decode() for n in trace[0::2]]
-    return phase_times(trace), {n: names.count(n) for n in set(names)}, call_us
+    return TracedStep(phase_times(trace), {n: names.count(n) for n in set(names)}, call_us,
+                      arguments_ns, decode_ns)
 
 
 async def measure_phases(client: Redis, lib: PhaseLibrary, index: PrefixIndex,
@@ -145,11 +168,13 @@ async def measure_phases(client: Redis, lib: PhaseLibrary, index: PrefixIndex,
                          warmup: int) -> PhaseSamples:
     samples = PhaseSamples()
     for rep in range(warmup + steps):
-        times, counts, call_us = await instrumented_step(client, lib, index, requests, hit)
+        step = await instrumented_step(client, lib, index, requests, hit)
         if rep >= warmup:
-            samples.calls.append(times)
-            samples.call_us.append(call_us)
-            samples.counts = counts
+            samples.calls.append(step.times)
+            samples.call_us.append(step.call_us)
+            samples.counts = step.counts
+            samples.arguments_ns.append(step.arguments_ns)
+            samples.decode_ns.append(step.decode_ns)
     return samples
 
 
@@ -157,7 +182,8 @@ def summarize_phases(samples: PhaseSamples, batch: int) -> dict[str, Any]:
     """Per request, the median microseconds of each phase less the clock readings it holds (the
     origin's probes give the cost of one), their sum, and the same calls' server time less every
     reading: what it leaves over the sum was spent outside the markers (before the origin and
-    after the reply: the arguments made Lua tables, the call's set-up, the reply handed back)."""
+    after the reply: the arguments made Lua tables, the call's set-up, the reply handed back);
+    and the client's median time per request building the arguments and decoding the reply."""
     probe = statistics.median(c.get(PROBE, 0) for c in samples.calls) / PROBE_READINGS
     names = [n for n in samples.calls[0] if n != PROBE]
     phases = {}
@@ -168,4 +194,7 @@ def summarize_phases(samples: PhaseSamples, batch: int) -> dict[str, Any]:
     call = max(0.0, statistics.median(samples.call_us) - probe * readings)
     return {"phases_us_per_request": phases, "phase_probe_us": round(probe, 2),
             "phases_sum_us_per_request": round(sum(phases.values()), 2),
-            "phases_call_us_per_request": round(call / batch, 2)}
+            "phases_call_us_per_request": round(call / batch, 2),
+            "client_us_per_request": {
+                "arguments": round(statistics.median(samples.arguments_ns) / 1e3 / batch, 2),
+                "decode": round(statistics.median(samples.decode_ns) / 1e3 / batch, 2)}}
