@@ -18,7 +18,8 @@ connection is never left half-read. A dropped connection is reopened by the next
 Errors are `cachetier.errors.CacheTierError`s: `RemoteError` (the service's code and message),
 `ConnectionLost`, `RequestTimeout`; `retryable` says whether planning again may work. A `plan` that
 failed with a connection error or a timeout may still have happened on the service: release its
-request ids (releasing unknown ids is harmless) before planning them again.
+request ids (releasing unknown ids is harmless) before planning them again, as
+`index.lifecycle.RequestLifecycle` does (and the service, for a plan whose Redis reply it lost).
 """
 
 from __future__ import annotations

@@ -5,14 +5,19 @@ the engine's order, and whatever fails after a plan, nothing is left pinned.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from cachetier.errors import ConnectionLost, RemoteError, RequestTimeout
 from index.face import Index
 from index.lifecycle import RequestLifecycle
+from index.redis_link import WriteNotAcknowledged
 from index.records import CommitItem, StepPlan, StepRefusal, StepRequest
 from index.reference import PoolState, ReferenceIndex
 from index.snapshot import read_pool, sanity_check
@@ -62,6 +67,30 @@ class Recording:
 
     async def stats(self):
         return await self.inner.stats()
+
+
+class LostReplies(Recording):
+    """A `Recording` whose next plan runs, then raises `lose_plan` as if its reply was lost (or
+    timed out, or was cancelled): the caller cannot know it ran. `lose_releases` makes every
+    release fail as if the storage were down."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__(recording.inner, recording.state)
+        self.lose_plan: BaseException | None = None
+        self.lose_releases: BaseException | None = None
+
+    async def plan_step(self, requests: Sequence[StepRequest]) -> StepPlan | StepRefusal:
+        outcome = await super().plan_step(requests)
+        lost, self.lose_plan = self.lose_plan, None
+        if lost is not None:
+            raise lost
+        return outcome
+
+    async def release(self, rids: Sequence[str]):
+        if self.lose_releases is not None:
+            self.calls.append(("release", list(rids)))
+            raise self.lose_releases
+        return await super().release(rids)
 
 
 async def on_redis(redis: Any, config: Any, pool_id: str = "p") -> Recording:
@@ -167,6 +196,46 @@ async def test_a_settle_that_fails_releases_the_step_before_the_error_propagates
                               CONFIG.cache.blocks_per_page)
 
 
+@pytest.mark.parametrize("lost", [
+    RedisConnectionError("connection lost before the reply was read"),
+    RedisTimeoutError("Timeout reading from socket"),
+    WriteNotAcknowledged("0 of 1 replicas confirmed the write within 100 ms"),
+    ConnectionLost("the service's connection dropped"), RequestTimeout("plan: no reply within 10 s"),
+    asyncio.CancelledError()], ids=lambda exc: type(exc).__name__)
+async def test_a_plan_that_may_have_run_unbeknown_to_its_caller_is_released(pool, lost):
+    """The plan ran and its caller never learnt it: its requests are released, so planning them
+    again at once works (it would be refused as a step never committed) and nothing stays
+    pinned, a continuing request's included."""
+    pool = LostReplies(pool)
+    cached = list(range(900, 920))
+    steps = RequestLifecycle(pool)  # no `async with`: the service's plan handler
+    await prefill(steps, "cached", cached, chunk=20)
+    await steps.release(["cached"])
+    going = only(await steps.plan([new_request("going", PROMPT, 16, 4)]))
+    await steps.finish([commit_item(going, 16, False, True, 4)])
+    before = len(pool.calls)
+    pool.lose_plan = lost
+    step = [new_request("hit", cached + [1], 21, 4), StepRequest("going", 16)]
+    with pytest.raises(type(lost)):
+        await steps.plan(step)
+    assert pool.calls[before:] == [("plan_step", ["hit", "going"]), ("release", ["hit", "going"])]
+    await assert_nothing_held(await pool.state(), CONFIG.cache.num_pages,
+                              CONFIG.cache.blocks_per_page)
+    async with RequestLifecycle(pool) as again:
+        assert only(await again.plan([step[0]])).hit_tokens == 20
+
+
+async def test_a_lost_plan_whose_release_is_lost_too_raises_the_plan_s_error(pool):
+    """The storage that lost the plan's reply may be down yet: the release fails as well, and
+    the caller sees why its plan failed (the requests' leases, or its own release, end them)."""
+    pool = LostReplies(pool)
+    pool.lose_plan = RedisConnectionError("connection lost before the reply was read")
+    pool.lose_releases = RedisConnectionError("Connection refused")
+    with pytest.raises(RedisConnectionError, match="before the reply"):
+        await RequestLifecycle(pool).plan([new_request("a", PROMPT, 16, 4)])
+    assert pool.calls == [("plan_step", ["a"]), ("release", ["a"])]
+
+
 @pytest.mark.parametrize("side", ["redis", "reference"])
 async def test_a_refused_step_is_returned_and_leaves_nothing_to_release(redis, side):
     tiny = small_config(num_pages=4)
@@ -205,5 +274,30 @@ async def test_through_the_service_the_plan_is_settled_there_and_a_failure_relea
             hit = only(await steps.plan([new_request("b", tokens + [7], 41, BLOCK)]))
             assert hit.hit_tokens == 32 and hit.copies          # the agent ran the restore
             raise Boom("the forward pass failed")
+    await assert_nothing_held(await read_pool(redis, pool_keys("p")), TINY.cache.num_pages,
+                              TINY.cache.blocks_per_page)
+
+
+async def test_a_plan_the_service_ran_but_whose_redis_reply_it_lost_can_be_planned_again(
+        tier, agent, redis, monkeypatch):
+    """Redis ran the service's plan script and the reply was lost: the caller gets a retryable
+    error, and planning the same requests again works at once, without releasing them first."""
+    real_plan_step = PrefixIndex.plan_step
+    lost: list[StepPlan | StepRefusal] = []
+
+    async def plan_then_lose_the_reply(index, requests):
+        outcome = await real_plan_step(index, requests)
+        if not lost:
+            lost.append(outcome)
+            raise RedisConnectionError("connection lost before the reply was read")
+        return outcome
+    monkeypatch.setattr(PrefixIndex, "plan_step", plan_then_lose_the_reply)
+    step = [new_request("a", list(range(100, 140)), 40, BLOCK)]
+    with pytest.raises(RemoteError) as failed:
+        await tier.plan("p", step)
+    assert failed.value.retryable and isinstance(lost[0], StepPlan)
+    async with RequestLifecycle(tier.pool("p")) as steps:
+        plan = only(await steps.plan(step))
+        await steps.finish([commit_item(plan, 40, True, True, BLOCK)])
     await assert_nothing_held(await read_pool(redis, pool_keys("p")), TINY.cache.num_pages,
                               TINY.cache.blocks_per_page)

@@ -8,10 +8,12 @@ agents' registrations.
 
 A step (`plan`) is: the plan script; the first time in its epoch, a fence on every rank's agent
 (`fleet.fence_links`: no writer of an older epoch can still touch the pages it hands out); the
-copy list to every rank's agent; their acks; the confirm script; the answer. Anything failing after the plan script releases the step's requests and
-answers a retryable error. An agent whose connection drops, times out or is reported dead
-(`agent_lost`, also called by the liveness watcher) fails its pool's steps in flight here and
-starts a new epoch: nothing cached before can be matched against bytes that may be gone.
+copy list to every rank's agent; their acks; the confirm script; the answer. Anything failing
+after the plan script, or a plan script whose reply was lost (it may have run), releases the
+step's requests and answers a retryable error (`index.lifecycle`). An agent whose connection
+drops, times out or is reported dead (`agent_lost`, also called by the liveness watcher) fails
+its pool's steps in flight here and starts a new epoch: nothing cached before can be matched
+against bytes that may be gone.
 Requests hold leases (`request_lease_s`), renewed by each step; the reaper (`reaper`) releases
 those of schedulers that disappeared between plan and release.
 Storage that went back in time or lost the pool is detected on the next call and the pool
