@@ -1,6 +1,7 @@
 """`index.lifecycle.RequestLifecycle` driving the real scripts (`PrefixIndex`), the reference model
 (`ReferenceIndex`) and a pool of the service (`TierPool`): the calls it makes are the engine's, in
-the engine's order, and whatever fails after a plan, nothing is left pinned.
+the engine's order, and whatever fails after a plan, or loses a plan's reply, nothing is left
+pinned.
 """
 
 from __future__ import annotations
@@ -200,8 +201,8 @@ async def test_a_settle_that_fails_releases_the_step_before_the_error_propagates
     RedisConnectionError("connection lost before the reply was read"),
     RedisTimeoutError("Timeout reading from socket"),
     WriteNotAcknowledged("0 of 1 replicas confirmed the write within 100 ms"),
-    ConnectionLost("the service's connection dropped"), RequestTimeout("plan: no reply within 10 s"),
-    asyncio.CancelledError()], ids=lambda exc: type(exc).__name__)
+    ConnectionLost("the service's connection dropped"),
+    RequestTimeout("plan: no reply within 10 s"), asyncio.CancelledError()], ids=lambda exc: type(exc).__name__)
 async def test_a_plan_that_may_have_run_unbeknown_to_its_caller_is_released(pool, lost):
     """The plan ran and its caller never learnt it: its requests are released, so planning them
     again at once works (it would be refused as a step never committed) and nothing stays

@@ -206,11 +206,12 @@ async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_po
     is one pipeline per shard (three round trips, counted at the client's nodes), from the
     masters or from the replicas (READONLY), and its answers are the pools' own probes; a
     replica lagging behind a caller's epoch reports no hit, never a rollback."""
-    placement = ShardPlacement(cluster_client, ReplicaAcks())
+    acks = ReplicaAcks(timeout_ms=2000)  # WAIT answers at the ack: a slow replica is no failure
+    placement = ShardPlacement(cluster_client, acks)
     indexes = []
     for n in range(6):
         pool = f"route{n}"
-        indexes.append(PrefixIndex(cluster_client, pool, TINY, acks=ReplicaAcks(),
+        indexes.append(PrefixIndex(cluster_client, pool, TINY, acks=acks,
                                    tag=await placement.resolve(pool, create=True)))
     await hold_growing_prefixes(indexes)
     hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
