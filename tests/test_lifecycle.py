@@ -202,7 +202,8 @@ async def test_a_settle_that_fails_releases_the_step_before_the_error_propagates
     RedisTimeoutError("Timeout reading from socket"),
     WriteNotAcknowledged("0 of 1 replicas confirmed the write within 100 ms"),
     ConnectionLost("the service's connection dropped"),
-    RequestTimeout("plan: no reply within 10 s"), asyncio.CancelledError()], ids=lambda exc: type(exc).__name__)
+    RequestTimeout("plan: no reply within 10 s"), asyncio.CancelledError(),
+], ids=lambda exc: type(exc).__name__)
 async def test_a_plan_that_may_have_run_unbeknown_to_its_caller_is_released(pool, lost):
     """The plan ran and its caller never learnt it: its requests are released, so planning them
     again at once works (it would be refused as a step never committed) and nothing stays
@@ -297,6 +298,7 @@ async def test_a_plan_the_service_ran_but_whose_redis_reply_it_lost_can_be_plann
     with pytest.raises(RemoteError) as failed:
         await tier.plan("p", step)
     assert failed.value.retryable and isinstance(lost[0], StepPlan)
+    assert failed.value.code == "redis_unavailable" and "step released" in str(failed.value)
     async with RequestLifecycle(tier.pool("p")) as steps:
         plan = only(await steps.plan(step))
         await steps.finish([commit_item(plan, 40, True, True, BLOCK)])

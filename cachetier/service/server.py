@@ -60,7 +60,7 @@ from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflic
                           StorageLost, StorageRollback, UnknownEntity, UnknownPool)
 from index.execution import ReplicaAcks
 from index.identity import PoolView
-from index.lifecycle import RequestLifecycle
+from index.lifecycle import MAYBE_RAN, RequestLifecycle
 from index.placement import ShardPlacement
 from index.prefix import PinnedPrefix
 from index.records import (CommitItem, CommitResult, ReleaseResult, StepPlan, StepRefusal,
@@ -539,9 +539,12 @@ class CacheTierService:
             steps = RequestLifecycle(state.index,
                                      functools.partial(self._carry_out, state, links, guard))
             plan_step = functools.partial(steps.plan, requests)
-            if all(r.is_new for r in requests):
-                return await _retry_if_stale(plan_step)
-            return await plan_step()  # a continuing request belongs to the epoch it was planned in
+            try:
+                if all(r.is_new for r in requests):
+                    return await _retry_if_stale(plan_step)
+                return await plan_step()  # a continuing request belongs to its plan's epoch
+            except MAYBE_RAN as exc:  # the plan may have run: the lifecycle released the step
+                raise step_failed(exc) from exc
 
     async def _carry_out(self, state: _Pool, links: list[AgentLink], guard: StepGuard,
                          plan: StepPlan) -> None:
