@@ -160,8 +160,9 @@ def classify(exc: BaseException) -> ErrorInfo:
 
 
 def step_failed(exc: Exception) -> CodedError:
-    """Whatever broke a step after its plan script, the step was released: planning it again
-    may succeed, so the error is retryable whatever its cause (its code says the cause)."""
+    """Whatever broke a step after its plan script, or lost the script's reply (it may have run),
+    the step was released: planning it again may succeed, so the error is retryable whatever its
+    cause (its code says the cause)."""
     info = describe(exc)
     return CodedError(ErrorInfo(info.code, f"step released: {info.message}", True))
 
