@@ -35,12 +35,13 @@ from index.redis_link import RedisClient
 from index.tickets import NONCE_BITS
 
 SCRIPT_NAMES = ("create_pool", "plan_step", "commit", "confirm", "release", "evict",
-                "invalidate_pool", "probe", "pin_prefix", "reweigh", "stats", "reconcile_pool")
+                "invalidate_pool", "probe", "pin_prefix", "reweigh", "stats", "reconcile_pool",
+                "snapshot")
 # what a caller acts on (copies into planned pages, tickets, pins, epochs): lost, it would be out
 # of step with the index; a lost confirm, release or eviction only leaves the cache smaller
 ACKED = frozenset({"create_pool", "plan_step", "commit", "pin_prefix", "invalidate_pool",
                    "reconcile_pool"})
-READ_ONLY = frozenset({"probe", "stats"})  # `no-writes`: FCALL_RO, on replicas too
+READ_ONLY = frozenset({"probe", "stats", "snapshot"})  # `no-writes`: FCALL_RO, on replicas too
 # what frees memory or settles what is pending runs over maxmemory (`allow-oom`); the rest is
 # refused whole there (OOM), before any of its writes
 UNDER_OOM = frozenset({"release", "confirm", "evict", "invalidate_pool"})

@@ -17,24 +17,23 @@ import msgpack
 from redis.asyncio import Redis
 
 from eviction.policy import CLASSES
+from index.execution import call_function
 from index.meta import CORE_FIELD, COUNTER_FIELDS, decode_core
 from index.records import IndexStats
 from index.reference import PoolState, pack_ids
+from index.scripts import library
 from index.tickets import compose, split
 
 _TEXT_FIELDS = ("k", "st", "owner", "cls")
 
 
 async def read_pool(redis: Redis, keys: list[str], classes: Sequence[str] = CLASSES) -> PoolState:
-    (meta_k, pages_k, free_k, ep_k, ck_k, lru_k, req_k, reqh_k, tix_k, rf_k, path_k, lease_k,
-     refs_k, ckr_k) = keys
-    pipe = redis.pipeline(transaction=True)
-    pipe.hgetall(meta_k).hgetall(pages_k).lrange(free_k, 0, -1).hgetall(ep_k).hgetall(ck_k)
-    pipe.zrange(lru_k, 0, -1, withscores=True).hgetall(req_k).hgetall(reqh_k).hgetall(tix_k)
-    pipe.hgetall(rf_k).hgetall(path_k).zrange(lease_k, 0, -1, withscores=True)
-    pipe.hgetall(refs_k).hgetall(ckr_k)
-    (meta, pages, free, ep, ck, lru, req, reqh, tix, rf, path, lease,
-     refs, ckr) = await pipe.execute()
+    """The pool's keys (`pool_keys`) in one read-only call (`snapshot.lua`): atomic, and within
+    the service user's ACL."""
+    replies = await call_function(redis, library(), "snapshot", keys, [])
+    (meta, pages, ep, ck, req, reqh, tix, rf, path, refs, ckr) = map(_pairs, replies[:11])
+    free = replies[11]
+    lru, lease = (_pairs(flat).items() for flat in replies[12:])
     core = decode_core(meta[CORE_FIELD.encode()])
     counted = {field: int(core[field]) for field in COUNTER_FIELDS}
     return PoolState(
@@ -44,14 +43,19 @@ async def read_pool(redis: Redis, keys: list[str], classes: Sequence[str] = CLAS
         free=deque(int(x) for x in free),
         ep={h: tuple(msgpack.unpackb(v)) for h, v in ep.items()},
         ck={h: int(v) for h, v in ck.items()},
-        lru={int(m): s for m, s in lru},
+        lru={int(m): float(s) for m, s in lru},
         req={k.decode(): _request(msgpack.unpackb(v, raw=True)) for k, v in req.items()},
         reqh={k.decode(): v for k, v in reqh.items()},
         tix=dict(_ticket(int(k), msgpack.unpackb(v, raw=True)) for k, v in tix.items()),
-        lease={rid.decode(): int(d) for rid, d in lease},
+        lease={rid.decode(): int(float(d)) for rid, d in lease},
         lru_page_count=counted["lru_pages"],
         durable_cks=counted["durable_cks"],
     )
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """HGETALL's (or ZRANGE WITHSCORES's) flat list as the map it lists."""
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 def _ticket(number: int, entry: dict[bytes, Any]) -> tuple[int, list[str]]:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from cachetier import credentials
 from cachetier.config import PRESETS, Config
 from cachetier.credentials import Principal, Role, issue
+from cachetier.run.redis_auth import RedisAcl
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.server import CacheTierService, ServiceSettings
 from gpu_pool.agent import Agent, AgentSettings
@@ -23,6 +24,9 @@ from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 
 SECRET = "test-secret"
+# the users of every Redis the tests share, as `cachetier up` configures its own (`run.redis_auth`)
+REDIS_ACL = RedisAcl(service="test-service-pw", replica="test-replica-pw",
+                     operator="test-operator-pw")
 TOKEN = issue(SECRET, Principal(Role.CLIENT))
 TINY = PRESETS["tiny"]
 BLOCK = TINY.cache.hash_block_tokens
@@ -55,6 +59,13 @@ async def running_agent(*urls: str, pool: str = "p", **overrides: Any) -> AsyncI
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def as_service_user(url: str) -> str:
+    """`url` (redis://HOST:PORT or unix:///PATH) logged in as the service's ACL user, the way
+    `cachetier up`'s service logs in: what the service and the index run as in the tests."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://cachetier:{REDIS_ACL.service}@{rest}"
 
 
 def agent_token(pool: str = "p", rank: int = 0) -> str:

@@ -1,6 +1,11 @@
 """Shared fixtures: one real redis-server per test session, a clean database per test, and on it
 a running service with its agent and a client holding the token.
 
+The shared redis-server runs the production ACL (`run.redis_auth`, as `cachetier up` starts it):
+`redis_url` logs in as the service's user, so every service and index under test runs with the
+permissions it has in production (a step staged with a command the ACL lacked once failed only
+there); `redis_operator` empties and inspects.
+
 Never a mock of Redis: the Lua scripts are the system under test. If redis-server cannot start, the
 fixture raises and every test that needs it errors loudly; nothing is skipped. Tests that start
 several services or agents, or restart them, use `tests.cluster_harness` directly. The vLLM
@@ -22,7 +27,7 @@ from cachetier.service.server import CacheTierService
 from cachetier.vllm.tiny import write_tiny_qwen3_next
 from gpu_pool.agent import Agent
 from index.redis_link import packing_with_hiredis
-from tests.cluster_harness import TOKEN, running_agent, running_service
+from tests.cluster_harness import REDIS_ACL, TOKEN, as_service_user, running_agent, running_service
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +38,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
+    with RedisServer(acl=REDIS_ACL) as server:
         yield server
 
 
@@ -47,21 +52,42 @@ def redis_cluster() -> Iterator[LocalRedisCluster]:
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
-    return redis_server.url
+    """The shared server, logged in as the service's ACL user."""
+    return as_service_user(redis_server.url)
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    """A client on an empty database with no cached scripts, so every test proves its own loading.
+def operator_url(redis_server: RedisServer) -> str:
+    """The shared server, logged in as the operator (every command)."""
+    scheme, rest = redis_server.url.split("://", 1)
+    return f"{scheme}://operator:{REDIS_ACL.operator}@{rest}"
 
-    The blocking pool makes concurrent tests wait for a connection instead of failing over a cap.
-    """
-    pool = packing_with_hiredis(BlockingConnectionPool.from_url(
-        redis_url, max_connections=32, timeout=10, decode_responses=False))
-    client = Redis(connection_pool=pool)
+
+def _client(url: str) -> Redis:
+    """The blocking pool makes concurrent tests wait for a connection instead of failing over
+    a cap."""
+    return Redis(connection_pool=packing_with_hiredis(BlockingConnectionPool.from_url(
+        url, max_connections=32, timeout=10, decode_responses=False)))
+
+
+@pytest.fixture
+async def redis_operator(operator_url: str) -> AsyncIterator[Redis]:
+    """The operator's client on an empty database with no cached scripts, so every test proves
+    its own loading; for emptying and inspecting what the service's user may not."""
+    client = _client(operator_url)
     await client.flushall()
     await client.script_flush()
     await client.function_flush()
+    try:
+        yield client
+    finally:
+        await client.aclose(close_connection_pool=True)
+
+
+@pytest.fixture
+async def redis(redis_operator: Redis, redis_url: str) -> AsyncIterator[Redis]:
+    """The service user's client on the emptied database: what the index runs as."""
+    client = _client(redis_url)
     try:
         yield client
     finally:

@@ -27,9 +27,9 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 
 def test_quick_run_hits_every_case_in_one_round_trip(capsys: pytest.CaptureFixture[str],
-                                                      redis_url: str) -> None:
-    before = all_keys(redis_url)
-    code, out, err = bench(capsys, "--json", "--quick", "--repeats", "5", "--redis", redis_url)
+                                                      operator_url: str) -> None:
+    before = all_keys(operator_url)
+    code, out, err = bench(capsys, "--json", "--quick", "--repeats", "5", "--redis", operator_url)
     assert code == 0, err
     result = json.loads(out)
     assert result["preset"] == "kimi-k3" and result["redis_version"]
@@ -54,7 +54,7 @@ def test_quick_run_hits_every_case_in_one_round_trip(capsys: pytest.CaptureFixtu
         assert 0 <= case["noop_server_us_per_request"] < case["server_us_per_request"]
         assert 0 < case["server_us_per_request_p10"] <= case["server_us_per_request"]
     assert "bench lookup: 16384 tokens x 4" in err       # progress goes to stderr, not stdout
-    assert all_keys(redis_url) == before                  # a shared server is left as found
+    assert all_keys(operator_url) == before                  # a shared server is left as found
 
 
 def test_own_server_and_table_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,10 +88,10 @@ def libraries(url: str) -> set[str]:
 
 
 def test_phases_split_the_step_script_where_its_markers_say(capsys: pytest.CaptureFixture[str],
-                                                            redis_url: str) -> None:
-    before_keys, before_libraries = all_keys(redis_url), libraries(redis_url)
+                                                            operator_url: str) -> None:
+    before_keys, before_libraries = all_keys(operator_url), libraries(operator_url)
     code, out, err = bench(capsys, "--json", "--quick", "--repeats", "5", "--phases",
-                           "--redis", redis_url, "--tokens", "4096", "--batches", "1", "4")
+                           "--redis", operator_url, "--tokens", "4096", "--batches", "1", "4")
     assert code == 0, err
     for case in json.loads(out)["cases"]:
         phases = case["phases_us_per_request"]
@@ -105,9 +105,9 @@ def test_phases_split_the_step_script_where_its_markers_say(capsys: pytest.Captu
         assert all(us > 0 for us in case["client_us_per_request"].values())
     assert "4096 tokens x 4: phases, us per request: meta" in err
     # neither the probed library nor any key outlives the run; cachetier's own stays loaded
-    assert all_keys(redis_url) == before_keys
+    assert all_keys(operator_url) == before_keys
     own = library().source.split("\n", 1)[0].removeprefix("#!lua name=")
-    after = libraries(redis_url)
+    after = libraries(operator_url)
     assert own in after and after - before_libraries <= {own}
 
 

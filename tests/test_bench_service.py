@@ -26,10 +26,10 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
 
 
 def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureFixture[str],
-                                                         redis_url: str) -> None:
-    before = all_keys(redis_url)
+                                                         operator_url: str) -> None:
+    before = all_keys(operator_url)
     code, out, err = bench(capsys, "--json", "--quick", "--unbatched", "--cycle", "full",
-                           "--redis", redis_url)
+                           "--redis", operator_url)
     assert code == 0, err
     result = json.loads(out)
     assert [(c["batch"], c["tokens"]) for c in result["cases"]] == [(1, 1024), (4, 1024)]
@@ -58,12 +58,12 @@ def test_quick_run_reports_service_direct_and_throughput(capsys: pytest.CaptureF
         unbatched["plan_p50_us"] / result["throughput_plan_p50_us"], rel=2e-2)
     assert result["clients"] == 4 and result["agents"].startswith("in-process cpu")
     assert "bench service: 1024 tokens x 4" in err            # progress on stderr, not stdout
-    assert all_keys(redis_url) == before                       # a shared server is left as found
+    assert all_keys(operator_url) == before                       # a shared server is left as found
 
 
-def test_both_event_loops_in_one_run(capsys: pytest.CaptureFixture[str], redis_url: str) -> None:
+def test_both_event_loops_in_one_run(capsys: pytest.CaptureFixture[str], operator_url: str) -> None:
     code, out, err = bench(capsys, "--json", "--quick", "--loops", "asyncio,uvloop",
-                           "--redis", redis_url)
+                           "--redis", operator_url)
     assert code == 0, err
     result = json.loads(out)
     assert result["event_loop"] == "asyncio"  # the first loop's figures lead

@@ -76,13 +76,13 @@ RAW_PLAN_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(RAW_PLAN_CASES))
-async def test_bad_plan_is_refused_without_a_write(warm, redis, case):
+async def test_bad_plan_is_refused_without_a_write(redis_operator, warm, redis, case):
     batch, blobs = RAW_PLAN_CASES[case]
-    before = await dump(redis)
+    before = await dump(redis_operator)
     with pytest.raises(BadRequest) as err:
         await raw(warm, "plan_step", batch, *blobs, NONCE)
     assert str(err.value) and "script" not in str(err.value)
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
 
 
 async def raw_staged(d, batch: bytes, staged: bytes):
@@ -105,20 +105,21 @@ STAGED_PLAN_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(STAGED_PLAN_CASES))
-async def test_bad_staged_plan_is_refused_without_a_write_or_its_key_left(warm, redis, case):
+async def test_bad_staged_plan_is_refused_without_a_write_or_its_key_left(warm, redis, case,
+                                                                          redis_operator):
     """The staged key is gone afterwards too: the call's pipeline unlinks it, refused or not."""
     batch, staged = STAGED_PLAN_CASES[case]
-    before = await dump(redis)
+    before = await dump(redis_operator)
     with pytest.raises(BadRequest):
         await raw_staged(warm, batch, staged)
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
 
 
-async def test_the_staged_cases_are_valid_once_fixed(warm, redis):
+async def test_the_staged_cases_are_valid_once_fixed(warm, redis_operator):
     _, plan = decode_step(await raw_staged(warm, packed([new_item(rid="a"), new_item(
         rid="b", hashes=2)]), GOOD_HASHES * 2), CONFIG.model.mla_groups)
     assert isinstance(plan, StepPlan) and [r.rid for r in plan.requests] == ["a", "b"]
-    assert not await redis.keys("*:stage:*")
+    assert not await redis_operator.keys("*:stage:*")
 
 
 async def test_the_raw_plan_cases_are_valid_once_fixed(warm):
@@ -144,16 +145,16 @@ COMMIT_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(COMMIT_CASES))
-async def test_bad_commit_is_refused_without_a_write(warm, redis, case):
+async def test_bad_commit_is_refused_without_a_write(redis_operator, warm, redis, case):
     batch, error = COMMIT_CASES[case]
-    before = await dump(redis)
+    before = await dump(redis_operator)
     with pytest.raises(error):
         await raw(warm, "commit", packed(batch), NONCE)
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
 
 
-async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
-    before = await dump(redis)
+async def test_other_bad_calls_leave_redis_unchanged(redis_operator, warm, redis):
+    before = await dump(redis_operator)
     with pytest.raises(UnknownEntity):
         await warm.index.confirm(10**9)
     with pytest.raises(BadRequest):
@@ -194,7 +195,7 @@ async def test_other_bad_calls_leave_redis_unchanged(warm, redis):
                  [0, 10, *weight_args(lru())[:-1], "inf"]):
         with pytest.raises(BadRequest):
             await raw(warm, "reweigh", *args)
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
 
 
 def weight_args(weights: EvictionWeights) -> list:

@@ -153,18 +153,18 @@ async def test_release_leaves_no_ticket_behind(redis):
     assert (await read_pool(redis, d.index.keys)).tix == {}
 
 
-async def test_the_library_reloads_after_a_function_flush(redis):
+async def test_the_library_reloads_after_a_function_flush(redis, redis_operator):
     """Redis restarted empty or flushed its functions: the next call loads the library
     ("Function not found") and runs."""
     d = await make(redis, small_config())
     await serve(d, "a", list(range(20)), chunk=20)
-    await redis.function_flush()
+    await redis_operator.function_flush()
     probe = list(range(21))
     assert only(await d.plan([new_request("b", probe, 1, 4)], {"b": probe})).hit_tokens == 20
     d.index.stage_bytes = 0  # a step with staged hashes: reloaded, sent again with them
-    await redis.function_flush()
+    await redis_operator.function_flush()
     assert only(await d.plan([new_request("c", probe, 1, 4)], {"c": probe})).hit_tokens == 20
-    assert not await redis.keys("*:stage:*")
+    assert not await redis_operator.keys("*:stage:*")
 
 
 async def test_branch_point_step_stops_at_the_mla_match_and_its_checkpoint_serves_the_next(redis):

@@ -58,7 +58,8 @@ def prompt(doc: int, length: int, branch: int | None, variant: int) -> list[int]
 
 class IndexMachine(RuleBasedStateMachine):
     config: Config
-    target: RedisTarget
+    target: RedisTarget  # the service's Redis user, as the index runs in production
+    operator_target: RedisTarget | None = None  # empties and inspects; None: `target` may
     acks: ReplicaAcks | None = None  # a cluster: every write script pipelined with its WAIT
     stage_bytes: int = STAGE_BYTES  # steps whose new hashes reach it stage them (none here)
 
@@ -66,7 +67,8 @@ class IndexMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.redis = connect(self.target)
-        self.loop.run_until_complete(self.redis.flushall())
+        self.operator = connect(self.operator_target or self.target)
+        self.loop.run_until_complete(self.operator.flushall())
         self.now = 1_000.0  # both faces' clock (s): leases run out as `time_passes` says
         self.call_nonce = 0  # both faces draw this nonce for the tickets of one operation
         real = PrefixIndex(self.redis, "m", self.config, acks=self.acks, lease_s=LEASE_S,
@@ -93,6 +95,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.loop.run_until_complete(close(self.redis))
+        self.loop.run_until_complete(close(self.operator))
         self.loop.close()
 
     def both(self, op: str, *args):
@@ -369,7 +372,7 @@ class IndexMachine(RuleBasedStateMachine):
         stats = self.faces(lambda index: index.stats())
         assert stats == recount(state, self.config.cache.num_pages), "stats() != the records"
         sanity_check(state, self.config.cache.num_pages, self.config.cache.blocks_per_page)
-        staged = self.loop.run_until_complete(self.redis.keys("ct:*:stage:*"))
+        staged = self.loop.run_until_complete(self.operator.keys("ct:*:stage:*"))
         assert not staged, f"staged hashes outlived their call: {staged}"
 
 
@@ -382,10 +385,10 @@ class IndexMachine(RuleBasedStateMachine):
     pytest.param(small_config(kda_groups=0, num_pages=24), STAGE_BYTES, id="full-attention"),
     pytest.param(small_config(num_pages=64, family="gdn-gqa"), STAGE_BYTES, id="gdn3-gqa1"),
 ])
-def test_scripts_match_reference(redis_url, config, stage_bytes) -> None:
+def test_scripts_match_reference(redis_url, operator_url, config, stage_bytes) -> None:
     machine = type("Machine", (IndexMachine,), {
         "config": config, "target": RedisTarget(redis_url, max_connections=4),
-        "stage_bytes": stage_bytes})
+        "operator_target": RedisTarget(operator_url), "stage_bytes": stage_bytes})
     run_state_machine_as_test(machine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
@@ -406,12 +409,14 @@ def test_scripts_match_reference_on_a_redis_cluster(redis_cluster) -> None:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
-def test_a_hit_exactly_at_the_turn_end_promotes_the_restored_intermediate_alike(redis_url) -> None:
+def test_a_hit_exactly_at_the_turn_end_promotes_the_restored_intermediate_alike(redis_url,
+                                                                                operator_url) -> None:
     """The rule the random machine reaches only rarely, step by step on both sides: `b` hits `a`'s
     intermediate checkpoint at its own turn end (8) with a `turn_end_kind`, and the plan promotes
     it (`a`'s commit in the same step would recycle it otherwise)."""
     machine = type("Machine", (IndexMachine,), {"config": small_config(num_pages=64),
-                                                 "target": RedisTarget(redis_url)})()
+                                                 "target": RedisTarget(redis_url),
+                                                 "operator_target": RedisTarget(operator_url)})()
     try:
         def run(op, *args):
             out = machine.both(op, *args)

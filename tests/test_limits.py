@@ -161,11 +161,11 @@ async def redis_calls(redis: Redis) -> dict[str, int]:
     return {name: value["calls"] for name, value in stats.items() if name != "cmdstat_info"}
 
 
-async def test_calls_too_big_are_refused_before_any_work(redis, redis_url):
+async def test_calls_too_big_are_refused_before_any_work(redis, redis_operator, redis_url):
     limits = ServiceLimits(max_prompt_tokens=4096, max_hash_bytes=64 * HASH)
     async with running_service(redis_url, limits=limits) as service, \
             CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
-        commands = await redis_calls(redis)
+        commands = await redis_calls(redis_operator)
         # no pool "p" exists: each refusal comes before the pool is even looked up
         with pytest.raises(RemoteError) as exc:
             await tier.release("p", [f"r{i}" for i in range(limits.max_release_ids + 1)])
@@ -187,7 +187,7 @@ async def test_calls_too_big_are_refused_before_any_work(redis, redis_url):
         with pytest.raises(RemoteError) as exc:
             await tier.pin("p", "x" * 257, 0, b"")
         assert_limit(exc, "max_rid_bytes", retryable=False)
-        assert await redis_calls(redis) == commands  # Redis never saw any of them
+        assert await redis_calls(redis_operator) == commands  # Redis never saw any of them
 
 
 async def test_quotas_per_client_held_requests_pins_and_stats_rate(redis, redis_url):
@@ -251,7 +251,7 @@ async def redis_config(redis: Redis, **values: Any) -> AsyncIterator[None]:
             await redis.config_set(name, value)
 
 
-async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
+async def test_redis_busy_and_full_are_retryable_errors(redis_operator, redis_url, operator_url):
     async with running_service(redis_url) as service, running_agent(service.url) as agent, \
             CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
         # what the liveness watcher believes (`LivenessWatcher(known=...)`): this agent only
@@ -262,10 +262,10 @@ async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
         assert not service.knows_agent("other", 0, agent_id)
         doc = list(range(200, 264))
         # a script running past busy-reply-threshold: Redis answers every other client BUSY
-        async with redis_config(redis, **{"busy-reply-threshold": 50}):
+        async with redis_config(redis_operator, **{"busy-reply-threshold": 50}):
             spin = "local t = redis.call('TIME') repeat local n = redis.call('TIME') " \
                    "until (n[1] - t[1]) * 1000000 + n[2] - t[2] > 600000 return 1"
-            slow = asyncio.create_task(Redis.from_url(redis_url).eval(spin, 0))
+            slow = asyncio.create_task(Redis.from_url(operator_url).eval(spin, 0))
             await asyncio.sleep(0.2)
             with pytest.raises(RemoteError) as exc:
                 await tier.plan("p", [new_request("busy", doc, 16, BLOCK)])
@@ -273,7 +273,7 @@ async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
             assert "BUSY" in str(exc.value), exc.value
             await slow
         # Redis at its maxmemory, noeviction: the write is refused, retryable, and names it
-        async with redis_config(redis, maxmemory=1, **{"maxmemory-policy": "noeviction"}):
+        async with redis_config(redis_operator, maxmemory=1, **{"maxmemory-policy": "noeviction"}):
             with pytest.raises(RemoteError) as exc:
                 await tier.plan("p", [new_request("full", doc, 16, BLOCK)])
             assert (exc.value.code, exc.value.retryable) == (ErrorCode.CAPACITY, True), exc.value

@@ -42,13 +42,14 @@ async def check(d) -> None:
     (DOC[:40], 28, 20), (DOC[:21], 20, 20), (DOC[:20], 16, 0), (DOC[:3], 0, 0),
     ([9] + DOC[1:40], 0, 0),
 ], ids=["deeper-mla", "at-checkpoint", "no-checkpoint-below", "no-block", "other-prefix"])
-async def test_probe_reports_what_a_plan_would_hit_and_writes_nothing(redis, prompt, mla, hit):
+async def test_probe_reports_what_a_plan_would_hit_and_writes_nothing(redis, prompt, mla, hit,
+                                                                      redis_operator):
     d = await cached(redis)
-    before = await dump(redis)
+    before = await dump(redis_operator)
     probe = await d.index.probe(len(prompt), hashes(prompt))
     assert (probe.mla_tokens, probe.hit_tokens) == (mla, hit)
     assert probe.pool == "p" and probe.epoch == d.index.epoch
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
     plan = only(await d.plan([new_request("check", prompt, len(prompt), BLOCK)], {"check": prompt}))
     assert plan.hit_tokens == hit
 
@@ -72,19 +73,20 @@ async def test_pin_prefix_pins_the_hit_until_released(redis):
     assert (await d.index.probe(40, hashes(DOC[:40]))).hit_tokens == 0
 
 
-async def test_pin_prefix_without_a_hit_pins_nothing_and_bad_calls_change_nothing(redis):
+async def test_pin_prefix_without_a_hit_pins_nothing_and_bad_calls_change_nothing(redis,
+                                                                                  redis_operator):
     d = await cached(redis)
-    before = await dump(redis)
+    before = await dump(redis_operator)
     empty = await d.index.pin_prefix("reader", 3, hashes(DOC[:3]))
     assert empty.hit_tokens == 0 and empty.mla_pages == [] and empty.checkpoint_pages == []
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
     await d.index.pin_prefix("reader", 40, hashes(DOC[:40]))
-    pinned = await dump(redis)
+    pinned = await dump(redis_operator)
     with pytest.raises(BadRequest, match="already exists"):
         await d.index.pin_prefix("reader", 40, hashes(DOC[:40]))
     with pytest.raises(BadRequest, match="one 16-byte hash"):
         await d.index.pin_prefix("other", 40, hashes(DOC[:36]))
-    assert await dump(redis) == pinned
+    assert await dump(redis_operator) == pinned
     await d.index.invalidate()
     d.index.epoch -= 1
     with pytest.raises(StaleEpoch):

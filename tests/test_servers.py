@@ -95,14 +95,14 @@ def test_start_twice_is_refused() -> None:
         server.start()
 
 
-async def test_redis_fixture_starts_empty(redis: Redis) -> None:
-    assert await redis.dbsize() == 0
-    await redis.set(b"left-behind", b"1")
+async def test_redis_fixture_starts_empty(redis_operator: Redis) -> None:
+    assert await redis_operator.dbsize() == 0
+    await redis_operator.set(b"left-behind", b"1")
 
 
-async def test_redis_fixture_flushes_between_tests(redis: Redis) -> None:
-    assert await redis.dbsize() == 0
-    await redis.set(b"left-behind", b"1")
+async def test_redis_fixture_flushes_between_tests(redis_operator: Redis) -> None:
+    assert await redis_operator.dbsize() == 0
+    await redis_operator.set(b"left-behind", b"1")
 
 
 def test_mosquitto_accepts_an_mqtt_connection() -> None:

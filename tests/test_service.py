@@ -197,18 +197,19 @@ async def test_stats_and_health_describe_the_pool(tier, agent):
     assert health.redis and health.pools == {"p": [0]} and health.version == PROTOCOL_VERSION
 
 
-async def test_a_pool_without_its_agent_refuses_to_plan_and_changes_nothing(service, tier, redis):
+async def test_a_pool_without_its_agent_refuses_to_plan_and_changes_nothing(service, tier, redis,
+                                                                            redis_operator):
     async with running_agent(service.url) as gone:
         pass  # the pool exists; its only agent is gone
     await eventually(lambda: tier.stats("p"), lambda s: s.epoch == gone.epoch + 1)
-    before = await dump(redis)
+    before = await dump(redis_operator)
     with pytest.raises(RemoteError) as err:
         await tier.plan("p", [new_request("a", DOC[:40], 40, BLOCK)])
     assert err.value.code == ErrorCode.AGENT_UNAVAILABLE and err.value.retryable
     with pytest.raises(RemoteError) as err:
         await tier.plan("nowhere", [new_request("a", DOC[:40], 40, BLOCK)])
     assert err.value.code == ErrorCode.UNKNOWN_POOL and not err.value.retryable
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
 
 
 async def cached_then_probe(tier: CacheTierClient) -> asyncio.Task[Any]:
@@ -370,8 +371,9 @@ async def test_replicas_share_the_pool_through_redis(redis, redis_url):
                 assert (await a.health()).server_id != (await b.health()).server_id
 
 
-async def test_a_bad_token_is_refused_and_the_connection_closed(service, redis, connect):
-    before = await dump(redis)
+async def test_a_bad_token_is_refused_and_the_connection_closed(service, redis, connect,
+                                                                redis_operator):
+    before = await dump(redis_operator)
     stream = await connect(service.url)
     with pytest.raises(RemoteError) as err:
         await exchange(stream, 0, Hello(PROTOCOL_VERSION, "wrong"))
@@ -380,7 +382,7 @@ async def test_a_bad_token_is_refused_and_the_connection_closed(service, redis, 
     with pytest.raises(RemoteError, match="bad credential"):
         async with CacheTierClient(service.url, token="wrong"):
             pass
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before
 
 
 @pytest.mark.parametrize("first, code", [
@@ -400,14 +402,15 @@ async def test_the_handshake_comes_first(service, connect, first, code):
     (Register("p", 0, 2, "x"), ErrorCode.BAD_REQUEST),           # another tp_degree
     (Register("bad pool id!", 0, 1, "x"), ErrorCode.BAD_REQUEST),
 ])
-async def test_a_registration_that_does_not_fit_is_refused(service, redis, connect, register, code):
+async def test_a_registration_that_does_not_fit_is_refused(service, redis_operator, connect,
+                                                           register, code):
     stream = await connect(service.url)
     await exchange(stream, 0, Hello(PROTOCOL_VERSION, agent_token(register.pool, register.rank),
                                     "agent"))
     with pytest.raises(RemoteError) as err:
         await exchange(stream, 1, register)
     assert err.value.code == code and not err.value.retryable
-    assert await redis.keys("*") == []
+    assert await redis_operator.keys("*") == []
 
 
 async def read_reply(proc: subprocess.Popen[str], pattern: str) -> re.Match[str]:
@@ -615,8 +618,9 @@ async def warm_pool(service, redis, tier) -> AsyncIterator[None]:
 @given(frames=st.lists(framed(), min_size=1, max_size=16),
        tail=st.none() | stream_breaker())
 async def test_bad_frames_get_errors_and_change_nothing(service, tier, redis, warm_pool,
+                                                        redis_operator,
                                                         frames, tail):
-    before = await dump(redis)
+    before = await dump(redis_operator)
     replies = await send_and_drain(service.url, b"".join(frames) + (tail or b""))
     assert len(replies) >= len(frames)  # every well-framed frame is answered, then the tail
     for reply in replies:
@@ -625,4 +629,4 @@ async def test_bad_frames_get_errors_and_change_nothing(service, tier, redis, wa
         else:
             assert reply.error is not None and reply.error.code in set(ErrorCode)
     assert (await tier.health()).redis  # another client is still served
-    assert await dump(redis) == before
+    assert await dump(redis_operator) == before

@@ -53,13 +53,13 @@ async def face(request, redis):
     return index
 
 
-async def test_a_forged_ticket_is_refused_and_confirms_nothing(face, redis):
+async def test_a_forged_ticket_is_refused_and_confirms_nothing(redis_operator, face, redis):
     ticket = await committed(face, "a", DOC)
-    before = await dump(redis)
+    before = await dump(redis_operator)
     for forged in forgeries(ticket):
         with pytest.raises(UnknownEntity):
             await face.confirm(forged)
-    assert await dump(redis) == before  # the reference face leaves Redis empty alike
+    assert await dump(redis_operator) == before  # the reference face leaves Redis empty alike
     assert await hit(face, DOC) == 0 and (await face.stats()).pending_tickets == 1
     assert await face.confirm(ticket) == 1
     assert await hit(face, DOC) == 40
@@ -81,7 +81,7 @@ async def test_a_ticket_of_a_voided_epoch_is_refused_in_the_next(face):
 
 
 async def test_a_ticket_of_an_earlier_life_of_the_pool_is_refused_when_its_counter_comes_back(
-        redis):
+        redis, redis_operator):
     """The pool is dropped and created again and nobody noticed (no view to tell: a fresh
     caller), so its counters are issued again; a ticket kept from the first life names the
     counter of a second-life ticket, and must not settle it (on main it did)."""
@@ -95,8 +95,8 @@ async def test_a_ticket_of_an_earlier_life_of_the_pool_is_refused_when_its_count
     assert split(new)[0] == split(old)[0] and new != old
     replayer = PrefixIndex(redis, "p", CONFIG)
     replayer.epoch = second.epoch
-    before = await dump(redis)
+    before = await dump(redis_operator)
     with pytest.raises(UnknownEntity):
         await replayer.confirm(old)
-    assert await dump(redis) == before and await hit(second, DOC) == 0
+    assert await dump(redis_operator) == before and await hit(second, DOC) == 0
     assert await second.confirm(new) == 1 and await hit(second, DOC) == 40

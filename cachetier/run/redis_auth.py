@@ -8,8 +8,10 @@ Three users:
 
 - `cachetier`, the service: its pools' keys (`ct:*`) only, and only the commands it sends (the
   scripts by SHA or source, WAIT, the reads of `index.placement`, `index.store` and the storage
-  identity, a cluster client's topology reads) and those its Lua scripts call (a script runs
-  with its caller's permissions). No FLUSHALL, CONFIG, KEYS, DEBUG, SCRIPT FLUSH...;
+  identity, a cluster client's topology reads; SET on staging keys only, a selector, for a big
+  step's hashes) and those its Lua scripts call (a script runs with its caller's permissions; a test
+  reads every `redis.call` of index/lua against this list). No FLUSHALL, CONFIG, KEYS, DEBUG,
+  SCRIPT FLUSH...;
 - `replica`: what a replica needs of its master (PSYNC, REPLCONF, PING), the cluster nodes'
   `masteruser`;
 - `operator`: everything, for `up` itself (joining the cluster nodes, readiness checks) and for
@@ -32,13 +34,16 @@ KEYS = "ct:*"
 # sent by the service (index.execution, placement, store, routing, holder, service.recovery,
 # health) and by redis-py's cluster client as it learns the topology
 SERVICE_COMMANDS = ("fcall", "fcall_ro", "function|load", "evalsha", "eval", "evalsha_ro",
-                    "eval_ro", "wait", "hget", "hgetall", "ping",
+                    "eval_ro", "wait", "hget", "hgetall", "ping", "unlink",
                     "info", "command", "cluster|slots", "cluster|shards", "cluster|nodes",
                     "cluster|myid", "asking", "readonly")
 # called by index/lua/*.lua
-SCRIPT_COMMANDS = ("exists", "hdel", "hexists", "hincrby", "hlen", "hmget", "hset", "hsetnx",
-                   "llen", "lpop", "rpush", "unlink", "zadd", "zrange", "zrangebyscore", "zrem",
-                   "zscore")
+SCRIPT_COMMANDS = ("exists", "getrange", "hdel", "hexists", "hget", "hgetall", "hincrby", "hlen",
+                   "hmget", "hset", "hsetnx", "llen", "lpop", "lrange", "rpush", "strlen", "unlink",
+                   "zadd", "zrange", "zrangebyscore", "zrem", "zscore")
+# a big step's hashes staged with an expiry (`index.execution.Staged`), on staging keys alone
+STAGE_KEYS = "ct:*:stage:*"
+STAGE_COMMANDS = ("set",)
 REPLICA_COMMANDS = ("psync", "replconf", "ping")
 
 
@@ -56,9 +61,11 @@ class RedisAcl:
             return f"user {name} on #{digest} {rules}"
 
         allowed = " ".join(f"+{command}" for command in (*SERVICE_COMMANDS, *SCRIPT_COMMANDS))
+        staging = " ".join(f"+{command}" for command in STAGE_COMMANDS)
         replica = " ".join(f"+{command}" for command in REPLICA_COMMANDS)
         return ["user default off resetpass ~* &* +@all",  # off; the AOF loader's permissions
-                user("cachetier", self.service, f"~{KEYS} resetchannels -@all {allowed}"),
+                user("cachetier", self.service,
+                     f"~{KEYS} resetchannels -@all {allowed} (~{STAGE_KEYS} {staging})"),
                 user("replica", self.replica, f"resetkeys resetchannels -@all {replica}"),
                 user("operator", self.operator, "~* &* +@all")]
 
