@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import secrets
 import ssl
 from typing import Any, Sequence
 
@@ -51,6 +52,9 @@ class CacheTierClient:
         self.connect_timeout = connect_timeout
         self.max_frame = max_frame
         self.server: Welcome | None = None
+        # the requests this client plans are its own, on every connection it opens (the
+        # service scopes their ids by it: `cachetier.service.ownership`)
+        self._session = secrets.token_hex(16)
         self._channel: Channel | None = None
         self._connecting = asyncio.Lock()
 
@@ -144,7 +148,8 @@ class CacheTierClient:
     async def _handshake(self) -> Channel:
         stream = await self.endpoint.connect(self.max_frame)
         try:
-            self.server = await exchange(stream, 0, Hello(PROTOCOL_VERSION, self.token))
+            self.server = await exchange(stream, 0, Hello(PROTOCOL_VERSION, self.token,
+                                                          session=self._session))
         except BaseException:
             await stream.close()
             raise

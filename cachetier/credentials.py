@@ -7,8 +7,9 @@ the service (the only holder of the secret, with `cachetier up`) verifies a toke
 its mac (`hmac.compare_digest`), and keeps no table of issued credentials. A scheduler, an agent
 or an observer holds its own token only; none can derive another principal's from it.
 
-Principal names: `admin`, `client`, `observer`, `service`, `agent/<rank>/<pool>` (no pool id
-holds a `/`). The same token is the peer's MQTT password (its username is the principal's name,
+Principal names: `admin`, `client`, `client/<tenant>`, `observer`, `service`,
+`agent/<rank>/<pool>` (no pool id holds a `/`). A tenant's schedulers reach only that tenant's
+cache entries (`cachetier.service.ownership`); `client` is the default tenant. The same token is the peer's MQTT password (its username is the principal's name,
 `MqttLogin`), so each process is handed one credential for every link.
 
 Agents also share a data-plane token (`peer_token`) that the service hands to each agent it
@@ -21,11 +22,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import re
 from dataclasses import dataclass
 
 from cachetier.errors import Unauthorized
 
 _SEPARATOR = "."
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # a tenant's name: `client/<tenant>`
 
 
 class Role(enum.StrEnum):
@@ -41,24 +44,34 @@ class Principal:
     role: Role
     pool: str = ""  # agents only
     rank: int = -1  # agents only
+    tenant: str = ""  # clients only; "" is the default tenant
 
     def __post_init__(self) -> None:
         is_agent = self.role is Role.AGENT
         if is_agent != bool(self.pool) or is_agent != (self.rank >= 0):
             raise ValueError("an agent principal names a pool and a rank; no other does")
+        if self.tenant and (self.role is not Role.CLIENT or not TENANT_NAME.match(self.tenant)):
+            raise ValueError(f"a tenant is a client's, named like {TENANT_NAME.pattern}, "
+                             f"got {self.tenant!r}")
 
     @property
     def name(self) -> str:
         if self.role is Role.AGENT:
             return f"agent/{self.rank}/{self.pool}"
+        if self.tenant:
+            return f"{self.role}/{self.tenant}"
         return str(self.role)
 
     @classmethod
     def parse(cls, name: str) -> Principal:
         """ValueError for anything `name` never produces."""
-        role, _, rest = name.partition("/")
+        role, slash, rest = name.partition("/")
         if role not in Role.__members__.values():
             raise ValueError(f"unknown role in {name!r}")
+        if role == Role.CLIENT and slash:
+            if not TENANT_NAME.match(rest):
+                raise ValueError(f"a tenant is named like {TENANT_NAME.pattern}: {name!r}")
+            return cls(Role.CLIENT, tenant=rest)
         if role != Role.AGENT:
             if rest:
                 raise ValueError(f"{role} takes no pool: {name!r}")
@@ -70,7 +83,8 @@ class Principal:
 
     def describe(self) -> str:
         """For error messages: `an agent credential (pool p, rank 0)`, `an observer credential`."""
-        where = f" (pool {self.pool}, rank {self.rank})" if self.role is Role.AGENT else ""
+        where = f" (pool {self.pool}, rank {self.rank})" if self.role is Role.AGENT else \
+            f" (tenant {self.tenant})" if self.tenant else ""
         article = "an" if self.role in (Role.ADMIN, Role.AGENT, Role.OBSERVER) else "a"
         return f"{article} {self.role} credential{where}"
 

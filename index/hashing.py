@@ -146,3 +146,15 @@ def split_hashes(blob: bytes, algo: HashAlgo = DEFAULT_ALGO) -> list[BlockHash]:
     if len(blob) % width:
         raise ValueError(f"hash blob of {len(blob)} bytes is not a multiple of {width} ({algo})")
     return [BlockHash(bytes(blob[i:i + width])) for i in range(0, len(blob), width)]
+
+
+def key_chain(blob: bytes, key: bytes, width: int) -> bytes:
+    """`blob`'s hashes, `width` bytes each, each replaced by a keyed BLAKE2b of it: the chain
+    a tenant's entries are stored under. Each chained hash already stands for its whole prefix,
+    so keying them one by one keeps every property of the chain (equal prefixes, equal keyed
+    hashes) while a prefix under another key, or under none, is another entry; and a keyed hash
+    seen (a commit's reply, a cache event) reveals nothing of another key's."""
+    if len(blob) % width:
+        raise ValueError(f"hash blob of {len(blob)} bytes is not a multiple of {width}")
+    return b"".join(hashlib.blake2b(blob[i:i + width], key=key, digest_size=width).digest()
+                    for i in range(0, len(blob), width))

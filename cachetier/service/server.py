@@ -47,6 +47,7 @@ from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.limits import ClientQuota, ServiceLimits, check_size
 from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
+from cachetier.service.ownership import Owner
 from cachetier.service.recovery import PoolRecovery
 from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
@@ -59,6 +60,7 @@ from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confi
 from index.errors import (BadRequest, CacheIndexError, CorruptState, PoolConflict, StaleEpoch,
                           StorageLost, StorageRollback, UnknownEntity, UnknownPool)
 from index.execution import ReplicaAcks
+from index.hashing import hash_len
 from index.identity import PoolView
 from index.lifecycle import MAYBE_RAN, RequestLifecycle
 from index.placement import ShardPlacement
@@ -73,6 +75,7 @@ from index.routing import probe_pools
 from index.store import PrefixIndex
 
 logger = logging.getLogger("cachetier.service.server")
+MAX_SESSION_CHARS = 128  # a client's session id (`Hello.session`): 32 hex digits are drawn
 T = TypeVar("T")
 
 _INDEX_CODES: dict[type[CacheIndexError], ErrorCode] = {
@@ -280,14 +283,16 @@ class CacheTierService:
         # that can only be a hello (a 16 MiB one of empty arrays once took the service to 1.5 GB)
         stream = FramedStream(reader, writer, limits.hello_max_frame)
         try:
-            principal = await self._admitted(stream)
+            principal, session = await self._admitted(stream)
             stream.max_frame = self.settings.max_frame
             if principal.role is Role.AGENT:
                 await self._serve_agent(stream, principal)
             else:
                 quota = ClientQuota(limits, self.settings.request_lease_s)
+                owner = Owner.of(principal, session, self.settings.secret)
                 await serve_requests(stream, CLIENT_OPS,
-                                     functools.partial(self._client_call, principal, quota),
+                                     functools.partial(self._client_call, principal, owner,
+                                                       quota),
                                      describe, limit=limits.calls_in_flight,
                                      idle_s=limits.idle_timeout_s)
         except (CacheTierError, OSError, TimeoutError) as exc:
@@ -298,9 +303,10 @@ class CacheTierService:
             self._connections.discard(task)
             await stream.close()
 
-    async def _admitted(self, stream: FramedStream) -> Principal:
-        """The hello of a connection within the connection limits (`limits`); one past them is
-        answered a retryable `LimitExceeded` and closed before anything is read."""
+    async def _admitted(self, stream: FramedStream) -> tuple[Principal, str]:
+        """The principal and session of a connection's hello, within the connection limits
+        (`limits`); one past them is answered a retryable `LimitExceeded` and closed before
+        anything is read."""
         limits = self.settings.limits
         refusal = None
         if len(self._connections) > limits.max_connections:
@@ -318,16 +324,18 @@ class CacheTierService:
         finally:
             self._handshaking -= 1
 
-    async def _handshake(self, stream: FramedStream) -> Principal:
+    async def _handshake(self, stream: FramedStream) -> tuple[Principal, str]:
         """The first frame must be a hello with our version and a credential for the role it
         asks; any failure is answered with an error frame and ends the connection."""
         frame = None
         try:
             frame = await self._first_frame(stream)
-            principal = self._check_hello(frame)
+            hello = self._check_hello(frame)
+            principal = verify(self.settings.secret, hello.token)
+            access.check_connection(principal, hello.role)
             await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
                                                                   self.settings.server_id)))
-            return principal
+            return principal, hello.session
         except CacheTierError as exc:
             await send_error(stream, request_id(frame), exc, describe)
             raise
@@ -341,31 +349,35 @@ class CacheTierService:
             raise HandshakeRequired("nothing received within "
                                     f"{self.settings.handshake_timeout_s:g} s") from None
 
-    def _check_hello(self, frame: Any) -> Principal:
+    @staticmethod
+    def _check_hello(frame: Any) -> Hello:
         if not isinstance(frame, dict) or frame.get("op") != "hello":
             raise HandshakeRequired("the first frame must be {op: 'hello', id, version, token}")
         hello: Hello = parse_request(frame, op_table(Hello))
         if hello.version != PROTOCOL_VERSION:
             raise VersionMismatch(f"protocol version {hello.version} is not {PROTOCOL_VERSION}")
-        principal = verify(self.settings.secret, hello.token)
-        access.check_connection(principal, hello.role)
-        return principal
+        if len(hello.session) > MAX_SESSION_CHARS:
+            raise BadMessage(f"a session id holds at most {MAX_SESSION_CHARS} characters")
+        return hello
 
-    async def _client_call(self, principal: Principal, quota: ClientQuota, message: Any) -> Any:
+    async def _client_call(self, principal: Principal, owner: Owner, quota: ClientQuota,
+                           message: Any) -> Any:
         """A client's call within its role and limits (`access`, `limits`): the role, sizes,
-        quotas, then the call; every answer, refusals included, reaches the observer."""
+        quotas, then the call on its owner's requests (`ownership`); every answer, refusals
+        included, reaches the observer."""
         started = time.perf_counter()
         pool = getattr(message, "pool", None)
         try:
             access.check_op(principal, message.op)
+            config = self.config_for(pool) if pool else self.config
             try:
-                check_size(message, self.settings.limits,
-                           self.config_for(pool) if pool else self.config)
+                check_size(message, self.settings.limits, config)
                 await quota.admit(message)
             except LimitExceeded as exc:
                 self.observer.quota_rejected(pool, exc.limit)
                 raise
-            reply = await self._dispatch(message)
+            scoped = owner.inbound(message, hash_len(config.cache.hash_algo))
+            reply = owner.outbound(await self._dispatch(scoped))
         except Exception as exc:
             self.observer.answered(message, None, classify(exc), time.perf_counter() - started)
             raise

@@ -45,11 +45,15 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Hello:
+    """`session`: a scheduler's own random id, the same on every connection it opens, so the
+    requests it planned stay its own across reconnections (`cachetier.service.ownership`)."""
+
     op: ClassVar[str] = "hello"
     reply: ClassVar[Any] = Welcome
     version: int
     token: str
     role: Role = "client"
+    session: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
