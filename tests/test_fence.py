@@ -167,8 +167,7 @@ async def test_a_late_copy_batch_of_a_voided_epoch_is_refused(redis, redis_url, 
 async def test_a_fence_waits_for_the_writers_in_a_section_and_refuses_their_epoch_after():
     with PagedPool.create(TINY.model, TINY.cache) as pool:
         worker = PagedPool.attach(pool.handle())
-        fence = OrderFence()
-        fence.writers = pool.fence
+        fence = OrderFence(lambda epoch: pool.fence.advance(epoch, 5))
         assert await fence.advance(3) == 3
         with worker.writing(3):
             raising = asyncio.create_task(fence.advance(4))
