@@ -172,12 +172,14 @@ def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.run.nodes import run_agent
     if args.torch_threads < 1:
         raise ConfigError("--torch-threads", "must be >= 1")
+    if args.fence_wait < 0:
+        raise ConfigError("--fence-wait", "must be >= 0")
     settings = AgentSettings(
         services=tuple(args.service), pool=args.pool,
         token=_secret(args, "token", "CACHETIER_TOKEN"), rank=args.rank,
         tp_degree=args.tp_degree, device=args.device, handle_file=args.handle_file,
         max_frame=args.max_frame, debug=args.debug, data_listen=args.data_listen,
-        torch_threads=args.torch_threads)
+        torch_threads=args.torch_threads, fence_wait_s=args.fence_wait)
     return _run_until_signal(run_agent(settings, args.mqtt), args.log_level, args.loop)
 
 
@@ -325,6 +327,10 @@ def _add_agent_parser(commands: Any) -> None:
     agent.add_argument("--torch-threads", type=int, default=1, metavar="N",
                        help="torch CPU threads in this agent (default: 1, so agents sharing cores "
                             "do not oversubscribe them)")
+    agent.add_argument("--fence-wait", type=float, default=1.0, metavar="SECONDS",
+                       help="how long an epoch bump waits for workers writing in place; one "
+                            "still writing then is left in the old pool memory, refused "
+                            "(default: 1, keep it well under the service's copy timeout)")
     _add_secret_arguments(agent, "token", "this agent's credential, bound to its pool and rank",
                           "CACHETIER_TOKEN")
     _add_node_arguments(agent)

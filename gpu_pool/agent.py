@@ -21,7 +21,10 @@ Every order carries the epoch it was planned in, and the agent fences the data p
 of older epochs from then on, waits for those running and for the in-place writers of the pool
 (workers attached through the handle), and only then acknowledges. The service hands out a new
 epoch's pages only after every rank's acknowledgement, so no writer of a voided epoch touches
-them.
+them. An in-place writer is waited for `fence_wait_s` at most (well under the service's copy
+timeout): one still in its section then (hung, or any process holding the fence file's lock)
+is logged, and the new epoch starts in new pool memory, published as the next handle, while the
+holder's mapping is retired (`gpu_pool.fence`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import pickle
 import random
 import ssl
 import uuid
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +49,7 @@ from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.wire.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fence,
                                      Fetch, Hello, Register, Registered)
 from gpu_pool import PageLayout, PagedPool, PoolHandle
-from gpu_pool.fence import OrderFence
+from gpu_pool.fence import OrderFence, to_the_end
 from gpu_pool.observer import AgentObserver
 from gpu_pool.streams import PageMove
 from gpu_pool.transfer import PageServer, pull
@@ -72,6 +74,9 @@ class AgentSettings:
     debug: bool = False
     data_listen: str = "tcp://127.0.0.1:0"  # where peers pull this rank's pages
     torch_threads: int = 1  # torch's intra-op threads in this process, see Agent.run
+    # how long an epoch bump waits for the in-place writers before it leaves them in the old
+    # memory (`Agent._fence_writers`): well under the service's copy timeout
+    fence_wait_s: float = 1.0
     agent_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names this process life
 
 
@@ -91,7 +96,7 @@ class Agent:
         self.writes = 0  # the highest pool write count a registration or copy batch carried
         self.registered = asyncio.Event()
         self._copying = asyncio.Lock()
-        self.fence = OrderFence()
+        self.fence = OrderFence(self._fence_writers)
         self.peer_token = ""  # from the registration: what peers pull pages with
         self._pages = PageServer(lambda: self.pool, lambda: self.peer_token, settings.max_frame)
 
@@ -168,19 +173,48 @@ class Agent:
     def _adopt(self, model: ModelSpec, cache: CacheSpec) -> None:
         """Build the pool from the first registration's geometry; later ones must agree."""
         if self.pool is None:
-            self.pool = PagedPool.create(model, cache, self.settings.device,
-                                         debug=self.settings.debug)
-            self.fence.writers = self.pool.fence
-            self._publish_handle()
+            self.pool = self._new_pool(model, cache)
+            self._publish_handle(self.pool.handle())
         elif (self.pool.layout.model, self.pool.layout.cache) != (model, cache):
             raise ConfigMismatch(f"a service sent another geometry for pool {self.settings.pool}")
 
-    def _publish_handle(self) -> None:
+    def _new_pool(self, model: ModelSpec, cache: CacheSpec) -> PagedPool:
+        return PagedPool.create(model, cache, self.settings.device, debug=self.settings.debug)
+
+    def _fence_writers(self, epoch: int) -> None:
+        """Blocking, off the event loop (`OrderFence`): no in-place writer of an epoch before
+        `epoch` can touch the pages `epoch` hands out. Those in a section are waited for up to
+        `fence_wait_s`; past it the pool moves to new memory (`_move_pool`). No pool yet: no
+        writer either."""
+        pool = self.pool
+        if pool is not None and not pool.fence.advance(epoch, self.settings.fence_wait_s):
+            self._move_pool(pool, epoch)
+
+    def _move_pool(self, old: PagedPool, epoch: int) -> None:
+        """Start `epoch` in new memory, its fence at `epoch`, and leave the old one to the
+        writers still in it, never to be served again (`gpu_pool.fence`); the bytes of the
+        epochs before are void anyway. The old fence is retired before the new handle is
+        published, and the raise fails (nothing acknowledged) unless both were done, so a
+        worker told of `epoch` either finds the new handle or is refused on the old one."""
+        holders = old.fence.holders()
+        fresh = self._new_pool(old.layout.model, old.layout.cache)
+        fresh.fence.advance(epoch, self.settings.fence_wait_s)  # nobody maps it yet
+        old.fence.retire()
+        self._publish_handle(fresh.handle())
+        self.pool = fresh
+        old.close()
+        logger.warning("pool %s rank %d: the in-place writers' fence was held past %g s (lock "
+                       "holders: pids %s); epoch %d starts in new pool memory, the holders' "
+                       "mapping is retired and their writes are refused", self.settings.pool,
+                       self.settings.rank, self.settings.fence_wait_s, holders or "unknown",
+                       epoch)
+
+    def _publish_handle(self, handle: PoolHandle) -> None:
         path = self.settings.handle_file
         if path is None:
             return
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_bytes(pickle.dumps(self.handle()))
+        temporary.write_bytes(pickle.dumps(handle))
         temporary.replace(path)  # a worker never reads a half-written handle
 
     async def _serve_op(self, message: CopyBatch | Fence | Fetch) -> int | None:
@@ -205,7 +239,7 @@ class Agent:
 
     async def _copy(self, batch: CopyBatch) -> None:
         async with self.fence.order(batch.epoch), self._copying:  # one batch at a time
-            await _to_the_end(asyncio.to_thread(self._run_copies, batch))
+            await to_the_end(asyncio.to_thread(self._run_copies, batch))
         self.epoch = batch.epoch
         self.writes = max(self.writes, batch.writes)
 
@@ -223,17 +257,6 @@ class Agent:
             self.settings.handle_file.unlink(missing_ok=True)
         if self.pool is not None:
             self.pool.close()
-
-
-async def _to_the_end(work: Awaitable[None]) -> None:
-    """Await `work`, and if cancelled, still wait for it before leaving: a copy thread cannot be
-    stopped, and its order must count as running (`OrderFence`) until its last byte lands."""
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
-        raise
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cachetier.config import CacheSpec, ModelSpec
-from gpu_pool.fence import WriterFence
+from gpu_pool.fence import FENCE_BYTES, WriterFence
 from gpu_pool.layout import PageKind, PageLayout
 from gpu_pool.sharing import CudaIpc, HostShm
 
@@ -61,7 +61,7 @@ class PagedPool:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"unsupported pool device {device}; expected cpu or cuda")
         tags = HostShm.create(layout.num_pages, "cachetier-tags")
-        fence = HostShm.create(8, "cachetier-fence")
+        fence = HostShm.create(FENCE_BYTES, "cachetier-fence")
         try:
             data, flat = _allocate(layout.buffer_bytes, device)
         except BaseException:

@@ -7,12 +7,26 @@ agent lives on (a liveness "offline", or another replica losing its link); a req
 epoch gets the same page ids, writes them, commits and confirms; the old request's writer writes
 late; a hit on the new request must read its bytes, not the zombie's. Once with the zombie as a
 worker writing in place, once as a copy batch of another service replica that arrives late.
+
+A writer that never leaves its section (issue 34, finding 5: a hung worker, or any co-located
+process holding a shared lock of the fence file) stopped the pool until the service's copy
+timeout, again at every bump after. Replayed with the holder in a process of its own: the bump
+waits the agent's `fence_wait_s` only and moves the pool to new memory; the holder's write in
+progress lands in the old memory, none of it in the bytes a hit of the new epoch reads, and its
+next write is refused. A writer that leaves within the wait is still waited for, in place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +35,9 @@ from cachetier.client import CacheTierClient
 from cachetier.errors import ErrorCode, RemoteError, StaleOrder
 from cachetier.service.fleet import AgentLink
 from cachetier.wire.protocol import CopyBatch
-from gpu_pool import PagedPool
+from gpu_pool import PagedPool, PoolHandle
 from gpu_pool.fence import OrderFence
-from index.records import RequestPlan, StepPlan
+from index.records import RequestPlan, StepPlan, StepRefusal
 from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, eventually,
                                    running_agent, running_service)
 from tests.index_harness import commit_item, new_request, only
@@ -39,15 +53,29 @@ def pattern(tokens: list[int], group: int, nbytes: int) -> torch.Tensor:
 
 
 def write(view: PagedPool, epoch: int, step: RequestPlan, tokens: list[int]) -> None:
-    """A worker's forward pass of a plan of `epoch`, under the pool's fence: each token's value
-    into its MLA rows, the checkpoint pattern into the checkpoint pages."""
-    ck = commit_item(step, step.stop, True, True, BLOCK).checkpoint_tokens
+    """A worker's forward pass of a plan of `epoch`, under the pool's fence."""
     with view.writing(epoch):
-        for group in step.mla_pages:
-            for pos in range(step.start, step.stop):
-                view.mla_view(group[pos // PAGE])[:, pos % PAGE, :] = float(tokens[pos])
-        for group, page in enumerate(step.checkpoint_pages):
-            view.buffer[:, page] = pattern(tokens[:ck], group, view.buffer.shape[-1])
+        write_pages(view, step, tokens)
+
+
+def write_pages(view: PagedPool, step: RequestPlan, tokens: list[int]) -> None:
+    """The bytes of a pass: each token's value into its MLA rows, the checkpoint pattern into
+    the checkpoint pages."""
+    ck = commit_item(step, step.stop, True, True, BLOCK).checkpoint_tokens
+    for group in step.mla_pages:
+        for pos in range(step.start, step.stop):
+            view.mla_view(group[pos // PAGE])[:, pos % PAGE, :] = float(tokens[pos])
+    for group, page in enumerate(step.checkpoint_pages):
+        view.buffer[:, page] = pattern(tokens[:ck], group, view.buffer.shape[-1])
+
+
+def holds_checkpoint(view: PagedPool, step: RequestPlan, tokens: list[int]) -> bool:
+    """Whether `step`'s checkpoint pages hold its pass's pattern in `view`."""
+    ck = commit_item(step, step.stop, True, True, BLOCK).checkpoint_tokens
+    return all(torch.equal(view.buffer[:, page],
+                           pattern(tokens[:ck], group, view.buffer.shape[-1])
+                           .expand_as(view.buffer[:, page]))
+               for group, page in enumerate(step.checkpoint_pages))
 
 
 def wrong_bytes(view: PagedPool, step: RequestPlan, tokens: list[int]) -> int:
@@ -76,6 +104,12 @@ async def serve(tier: CacheTierClient, view: PagedPool, rid: str,
                 tokens: list[int]) -> RequestPlan:
     """Plan, write, commit, confirm and release a whole prompt, as an engine does."""
     plan = await tier.plan("p", [new_request(rid, tokens, len(tokens), BLOCK)])
+    return await finish(tier, view, plan, rid, tokens)
+
+
+async def finish(tier: CacheTierClient, view: PagedPool, plan: StepPlan | StepRefusal, rid: str,
+                 tokens: list[int]) -> RequestPlan:
+    """`serve` once the plan is answered."""
     assert isinstance(plan, StepPlan), plan
     step = only(plan)
     write(view, plan.epoch, step, tokens)
@@ -167,8 +201,7 @@ async def test_a_late_copy_batch_of_a_voided_epoch_is_refused(redis, redis_url, 
 async def test_a_fence_waits_for_the_writers_in_a_section_and_refuses_their_epoch_after():
     with PagedPool.create(TINY.model, TINY.cache) as pool:
         worker = PagedPool.attach(pool.handle())
-        fence = OrderFence()
-        fence.writers = pool.fence
+        fence = OrderFence(lambda epoch: pool.fence.advance(epoch, 5))
         assert await fence.advance(3) == 3
         with worker.writing(3):
             raising = asyncio.create_task(fence.advance(4))
@@ -196,3 +229,111 @@ async def test_a_fence_waits_for_the_orders_running_and_refuses_older_ones_after
     async with fence.order(4):  # an order of a newer epoch raises the fence first
         assert fence.epoch == 4
     assert await fence.advance(1) == 4  # never lowered
+
+
+WAIT = 0.5  # the agent's fence_wait_s in the tests of writers that stay in their section
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def hung_writer(handle: PoolHandle, epoch: int, step: RequestPlan, tokens: list[int],
+                entered: Any, resume: Any, told: Any) -> None:
+    """A worker, in a process of its own, whose pass of a plan of `epoch` hangs inside its
+    section (after the fence check, before its bytes) until `resume`, then writes them; then it
+    tries the pass again and tells how that went."""
+    view = PagedPool.attach(handle)
+    with view.writing(epoch):
+        entered.set()
+        resume.wait(60)
+        write_pages(view, step, tokens)
+    try:
+        write(view, epoch, step, tokens)
+        told.put("written")
+    except StaleOrder as exc:
+        told.put(f"refused: {exc}")
+
+
+def brief_writer(handle: PoolHandle, epoch: int, page: int, entered: Any, leaving: Any) -> None:
+    """A worker, in a process of its own, that stays 0.3 s in its section writing `page` and
+    says it is leaving just before it does."""
+    view = PagedPool.attach(handle)
+    with view.writing(epoch):
+        entered.set()
+        time.sleep(0.3)
+        view.buffer[:, page] = 0xA5
+        leaving.set()
+
+
+@contextlib.contextmanager
+def child(target: Callable[..., None], *args: Any) -> Iterator[BaseProcess]:
+    """`target(*args)` in a spawned process: a lock holder and a mapping of its own. Ended at
+    the end, whatever it was doing."""
+    process = SPAWN.Process(target=target, args=args, daemon=True)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.join()
+
+
+def stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "gpu_pool.agent" and r.levelno == logging.WARNING
+            and "held past" in r.getMessage()]
+
+
+async def test_a_writer_hung_in_its_section_holds_a_bump_up_for_the_fence_wait_only(
+        redis, redis_url, caplog):
+    """The holder planned in epoch N hangs in its section; the pool is bumped and the next
+    plan fences the agent: it is answered after about `WAIT`, not after the service's copy
+    timeout (30 s here, as in the finding). The new epoch reuses the zombie's page ids; the
+    holder's write, let go only then, reaches the old memory, none of the new epoch's bytes,
+    and its next pass is refused."""
+    async with running_service(redis_url, copy_timeout_s=30) as service, \
+            running_agent(service.url, fence_wait_s=WAIT) as agent, \
+            CacheTierClient(service.url, token=TOKEN, timeout=60) as tier:
+        old_view = PagedPool.attach(agent.handle())
+        planned = await tier.plan("p", [new_request("zombie", ZOMBIE, len(ZOMBIE), BLOCK)])
+        zombie, old = only(planned), planned.epoch
+        entered, resume, told = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+        with child(hung_writer, agent.handle(), old, zombie, ZOMBIE, entered, resume,
+                   told) as holder:
+            assert await asyncio.to_thread(entered.wait, 60), "the writer never entered"
+            await service.agent_lost("p", 0)
+            await bumped(tier, old)
+            begin = time.monotonic()
+            plan = await tier.plan("p", [new_request("fresh", FRESH, len(FRESH), BLOCK)])
+            took = time.monotonic() - begin
+            assert WAIT <= took < 4 * WAIT, took  # it waited for the holder, boundedly
+            [warning] = stall_warnings(caplog)
+            assert f"pids [{holder.pid}]" in warning, warning
+            view = PagedPool.attach(agent.handle())
+            assert view.buffer.data_ptr() != old_view.buffer.data_ptr()
+            fresh = await finish(tier, view, plan, "fresh", FRESH)
+            assert written_pages(fresh) & written_pages(zombie), "the new epoch reuses the ids"
+            resume.set()  # the holder wakes up and writes its pass's bytes
+            told_how = await asyncio.to_thread(told.get, True, 60)
+            assert told_how.startswith("refused") and "retired" in told_how, told_how
+        assert holds_checkpoint(old_view, zombie, ZOMBIE), "the late write landed, in old memory"
+        hit = await hit_on(tier, FRESH)
+        assert wrong_bytes(view, hit, FRESH) == 0
+        await tier.release("p", ["hit", "zombie"])
+        await assert_no_pins(redis)
+
+
+async def test_a_writer_leaving_within_the_fence_wait_is_waited_for_in_place(service, caplog):
+    """The bound does not cut a writer short: one in its section for 0.3 s of a 20 s wait
+    holds the raise until it leaves, its bytes stay in the pool, which keeps its memory."""
+    async with running_agent(service.url, fence_wait_s=20) as agent:
+        assert await agent.fence.advance(3) == 3
+        handle = agent.handle()
+        entered, leaving = SPAWN.Event(), SPAWN.Event()
+        with child(brief_writer, handle, 3, 5, entered, leaving):
+            assert await asyncio.to_thread(entered.wait, 60), "the writer never entered"
+            assert await asyncio.wait_for(agent.fence.advance(4), 10) == 4
+            assert leaving.is_set(), "the fence was raised with a writer in its section"
+        assert agent.handle() == handle and not stall_warnings(caplog)  # the same memory
+        view = PagedPool.attach(handle)
+        assert (view.buffer[:, 5] == 0xA5).all() and view.fence.epoch() == 4
+        with pytest.raises(StaleOrder, match="fenced at epoch 4"), view.writing(3):
+            pytest.fail("a writer of a fenced-off epoch entered its section")

@@ -15,8 +15,9 @@ With tensor parallelism each rank's worker maps its own rank's agent (`Connector
 handle_file_of`) and copies its share of the heads; a step's saves are planned and committed once,
 by rank 0, for all ranks (`ranks.Ranks`): committed only if every rank wrote its share.
 
-The agent's handle file is re-read when it changes (a restarted agent holds a new segment); a
-save planned across such a change is abandoned. A save writes under the agent's epoch fence
+The agent's handle file is re-read when it changes (a restarted agent holds a new segment, and
+so does one whose fence a writer held past its wait, `gpu_pool.fence`); a save planned across
+such a change is abandoned. A save writes under the agent's epoch fence
 (`PagedPool.writing`, `gpu_pool.fence`): a save whose epoch was voided after its plan is refused
 before its first byte (its pages may be another request's by then), and the agent's fence waits
 for a save under way; loads only read.
