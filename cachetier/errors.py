@@ -32,6 +32,7 @@ class ErrorCode(enum.StrEnum):
     AGENT_LOST = "agent_lost"
     COPY_FAILED = "copy_failed"
     COPY_TIMEOUT = "copy_timeout"
+    WRITER_STALLED = "writer_stalled"  # a late in-place writer keeps pages a step claims
     TRANSFER_FAILED = "transfer_failed"  # a page transfer between agents ended before its last byte
     REDIS_UNAVAILABLE = "redis_unavailable"
     RECOVERING = "recovering"  # the pool's storage went back in time or lost it: starting over
@@ -176,6 +177,14 @@ class StaleOrder(CacheTierError):
 
 class CopyFailed(CacheTierError):
     code = ErrorCode.COPY_FAILED
+    retryable = True
+
+
+class WriterStalled(CacheTierError):
+    """A writer of a request that is over keeps in its section pages a step hands out
+    (`gpu_pool.claims`): the pool needs a new epoch, which moves it away from that writer."""
+
+    code = ErrorCode.WRITER_STALLED
     retryable = True
 
 

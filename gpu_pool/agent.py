@@ -247,6 +247,7 @@ class Agent:
         """One launch for the whole batch, finished on the device before the ack."""
         if self.pool is None:
             raise RuntimeError("copy batch before registration")
+        self.pool.claims.claim(batch.stamp, batch.claims, self.settings.fence_wait_s)
         buffer = self.pool.buffer
         page_copy(buffer, buffer, batch.copies)
         if buffer.is_cuda:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from cachetier.config import CacheSpec, ModelSpec
+from gpu_pool.claims import CLAIM_BYTES, PageClaims
 from gpu_pool.fence import FENCE_BYTES, WriterFence
 from gpu_pool.layout import PageKind, PageLayout
 from gpu_pool.sharing import CudaIpc, HostShm
@@ -34,6 +35,7 @@ class PoolHandle:
     data: HostShm | CudaIpc
     tags: HostShm
     fence: HostShm  # the writers' epoch fence (`gpu_pool.fence.WriterFence`)
+    claims: HostShm  # which step may write each page (`gpu_pool.claims.PageClaims`)
 
 
 class PagedPool:
@@ -50,6 +52,7 @@ class PagedPool:
         self._handle = handle
         self._tags = handle.tags.open()
         self.fence = WriterFence(handle.fence.path)
+        self.claims = PageClaims(handle.claims.path)
         self._cleanup = weakref.finalize(self, _unlink, handle) if owner else None
 
     @classmethod
@@ -62,13 +65,14 @@ class PagedPool:
             raise ValueError(f"unsupported pool device {device}; expected cpu or cuda")
         tags = HostShm.create(layout.num_pages, "cachetier-tags")
         fence = HostShm.create(FENCE_BYTES, "cachetier-fence")
+        claims = HostShm.create(layout.num_pages * CLAIM_BYTES, "cachetier-claims")
         try:
             data, flat = _allocate(layout.buffer_bytes, device)
         except BaseException:
-            tags.unlink()
-            fence.unlink()
+            for segment in (tags, fence, claims):
+                segment.unlink()
             raise
-        return cls(PoolHandle(model, cache, debug, data, tags, fence), flat, owner=True)
+        return cls(PoolHandle(model, cache, debug, data, tags, fence, claims), flat, owner=True)
 
     @classmethod
     def attach(cls, handle: PoolHandle) -> PagedPool:
@@ -90,12 +94,14 @@ class PagedPool:
         self.close()
 
     @contextlib.contextmanager
-    def writing(self, epoch: int) -> Iterator[None]:
-        """Write pages of a plan of `epoch` in place: refused (`StaleOrder`) once the agent has
-        fenced that epoch off, and the fence waits for the section to end; on a GPU the
-        section ends once the current stream has finished its writes. Hold it around the writes
-        only, never across a call to the service (`gpu_pool.fence`)."""
-        with self.fence.writing(epoch):
+    def writing(self, epoch: int, stamp: int, pages: Sequence[int]) -> Iterator[None]:
+        """Write `pages` for a step of `epoch` stamped `stamp` (`index.tickets.write_stamp` of
+        its plan's ticket) in place: refused (`StaleOrder`) once the agent has fenced that epoch
+        off (`gpu_pool.fence`), or once one of the pages was handed to a later step, its
+        request being over (`gpu_pool.claims`); the fence and the claims wait for the section
+        to end; on a GPU the section ends once the current stream has finished its writes.
+        Hold it around the writes only, never across a call to the service."""
+        with self.fence.writing(epoch), self.claims.writing(stamp, pages):
             yield
             if self.buffer.is_cuda:
                 torch.cuda.current_stream(self.buffer.device).synchronize()
@@ -178,5 +184,6 @@ def _head_bounds(heads: slice | None, count: int) -> tuple[int, int]:
 def _unlink(handle: PoolHandle) -> None:
     handle.tags.unlink()
     handle.fence.unlink()
+    handle.claims.unlink()
     if isinstance(handle.data, HostShm):
         handle.data.unlink()

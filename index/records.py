@@ -81,6 +81,15 @@ class RequestPlan:
     copies: list[PageCopy]
     match_tokens: int = 0  # the MLA match found at lookup (>= hit_tokens; deeper when no checkpoint)
 
+    def written_pages(self, page_tokens: int) -> list[int]:
+        """The pages this step of the request writes (what its step claims for it,
+        `gpu_pool.claims`): its MLA pages from the one holding its start (its own: a hit
+        ending inside a page was copied to a page of its own), its private state and its
+        checkpoint pages."""
+        first = self.start // page_tokens
+        mla = [page for group in self.mla_pages for page in group[first:]]
+        return [*mla, *self.state_pages, *self.checkpoint_pages]
+
 
 @dataclass(frozen=True)
 class Removal:

@@ -34,6 +34,13 @@ def compose(number: int, nonce: int) -> int:
     return number << NONCE_BITS | nonce
 
 
+def write_stamp(ticket: int) -> int:
+    """What a step's in-place writes are stamped with (`gpu_pool.claims`): its ticket's counter,
+    never issued twice in a pool's life, plus one, so no stamp is an unclaimed page's 0. The
+    counter is the ticket's high bits, the same in every caller's view of the ticket."""
+    return (ticket >> NONCE_BITS) + 1
+
+
 def split(ticket: int) -> tuple[int, int]:
     """(counter, nonce) of a ticket a caller sends back; refused if it cannot be one."""
     if isinstance(ticket, bool) or not isinstance(ticket, int) \

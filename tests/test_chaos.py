@@ -54,6 +54,7 @@ from gpu_pool import PagedPool
 from index.records import RequestPlan, StepPlan, StepRefusal
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
+from index.tickets import write_stamp
 from tests.cluster_harness import BLOCK, PAGE, SECRET, TINY, TOKEN, agent_token, running_service
 from tests.index_harness import commit_item, new_request
 from tests.redis_harness import AofRedis
@@ -359,12 +360,12 @@ def check_hit(view: PagedPool, step: RequestPlan, tokens: list[int]) -> None:
                 f"{step.rid}: tokens {first}..{first + n} of the hit are not in MLA page {page}"
 
 
-def forward(view: PagedPool, epoch: int, step: RequestPlan, tokens: list[int]) -> int:
-    """The forward pass of a plan of `epoch`, under the pool's fence as a worker writes: token
-    values into the MLA pages, the state pattern into the checkpoint pages; returns the
-    checkpoint boundary it wrote (commit_item's)."""
+def forward(view: PagedPool, plan: StepPlan, step: RequestPlan, tokens: list[int]) -> int:
+    """The forward pass of `step` of `plan`, under the pool's fence and claims as a worker
+    writes: token values into the MLA pages, the state pattern into the checkpoint pages;
+    returns the checkpoint boundary it wrote (commit_item's)."""
     ck = commit_item(step, step.stop, True, True, BLOCK).checkpoint_tokens
-    with view.writing(epoch):
+    with view.writing(plan.epoch, write_stamp(plan.ticket), step.written_pages(PAGE)):
         for group in step.mla_pages:
             for pos in range(step.start, step.stop):
                 view.mla_view(group[pos // PAGE])[:, pos % PAGE, :] = float(tokens[pos])
@@ -407,7 +408,7 @@ async def one_request(tier: CacheTierClient, chaos: Chaos, rid: str, tokens: lis
         if step.hit_tokens:
             check_hit(view, step, tokens)
         op = "commit"
-        forward(view, plan.epoch, step, tokens)
+        forward(view, plan, step, tokens)
         done = await tier.commit(POOL, [commit_item(step, step.stop, True, True, BLOCK)])
         op = "confirm"
         await tier.confirm(POOL, done.ticket)

@@ -19,33 +19,11 @@ from pathlib import Path
 import pytest
 import redis
 
-UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0"]
+from tests.up_harness import UP, children, running, wait_for_line
+
 DEMO = [sys.executable, "-m", "cachetier.cli", "demo"]
 SESSIONS = 2
 TURNS = 3
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie is dead: only its exit status is left)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
-
-
-def children(run_dir: Path) -> dict[str, int]:
-    return json.loads((run_dir / "pids.json").read_text())
-
-
-def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes],
-                  timeout_s: float) -> None:
-    """Until the file `path` has a line matching `pattern` (AssertionError on timeout or exit)."""
-    deadline = time.monotonic() + timeout_s
-    while not re.search(pattern, path.read_text(), re.MULTILINE):
-        assert proc.poll() is None, f"`up` ended (code {proc.returncode}): {path.read_text()}"
-        assert time.monotonic() < deadline, f"no {pattern!r} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 # KDA + MLA; Gated DeltaNet + GQA, on a cluster whose every link is TLS (`--tls`)

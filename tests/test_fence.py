@@ -32,12 +32,15 @@ import pytest
 import torch
 
 from cachetier.client import CacheTierClient
-from cachetier.errors import ErrorCode, RemoteError, StaleOrder
+from cachetier.errors import ErrorCode, RemoteError, StaleOrder, WriterStalled
 from cachetier.service.fleet import AgentLink
+from cachetier.service.reaper import ReaperSettings
 from cachetier.wire.protocol import CopyBatch
 from gpu_pool import PagedPool, PoolHandle
+from gpu_pool.claims import runs
 from gpu_pool.fence import OrderFence
 from index.records import RequestPlan, StepPlan, StepRefusal
+from index.tickets import write_stamp
 from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, eventually,
                                    running_agent, running_service)
 from tests.index_harness import commit_item, new_request, only
@@ -52,10 +55,15 @@ def pattern(tokens: list[int], group: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(seed * -(-nbytes // 64)), dtype=torch.uint8)[:nbytes]
 
 
-def write(view: PagedPool, epoch: int, step: RequestPlan, tokens: list[int]) -> None:
-    """A worker's forward pass of a plan of `epoch`, under the pool's fence."""
-    with view.writing(epoch):
+def write(view: PagedPool, plan: StepPlan, step: RequestPlan, tokens: list[int]) -> None:
+    """A worker's forward pass of `step` of `plan`, under the pool's fence and claims."""
+    with writing(view, plan, step):
         write_pages(view, step, tokens)
+
+
+def writing(view: PagedPool, plan: StepPlan, step: RequestPlan):
+    """The section a worker writes `step` of `plan` in."""
+    return view.writing(plan.epoch, write_stamp(plan.ticket), step.written_pages(PAGE))
 
 
 def write_pages(view: PagedPool, step: RequestPlan, tokens: list[int]) -> None:
@@ -112,7 +120,7 @@ async def finish(tier: CacheTierClient, view: PagedPool, plan: StepPlan | StepRe
     """`serve` once the plan is answered."""
     assert isinstance(plan, StepPlan), plan
     step = only(plan)
-    write(view, plan.epoch, step, tokens)
+    write(view, plan, step, tokens)
     done = await tier.commit("p", [commit_item(step, step.stop, True, True, BLOCK)])
     await tier.confirm("p", done.ticket)
     await tier.release("p", [rid])
@@ -142,7 +150,7 @@ async def test_a_late_in_place_writer_of_a_voided_epoch_is_refused(service, agen
     fresh = await serve(tier, view, "fresh", FRESH)
     assert written_pages(fresh) & written_pages(zombie), "the new epoch reuses the page ids"
     with pytest.raises(StaleOrder):
-        write(view, old, zombie, ZOMBIE)  # the old epoch's forward pass, late
+        write(view, planned, zombie, ZOMBIE)  # the old epoch's forward pass, late
     assert agent.fence.epoch == new and view.fence.epoch() == new
     hit = await hit_on(tier, FRESH)
     assert wrong_bytes(view, hit, FRESH) == 0
@@ -203,14 +211,14 @@ async def test_a_fence_waits_for_the_writers_in_a_section_and_refuses_their_epoc
         worker = PagedPool.attach(pool.handle())
         fence = OrderFence(lambda epoch: pool.fence.advance(epoch, 5))
         assert await fence.advance(3) == 3
-        with worker.writing(3):
+        with worker.writing(3, 0, []):
             raising = asyncio.create_task(fence.advance(4))
             await asyncio.sleep(0.2)
             assert not raising.done() and fence.epoch == 3  # it waits for the section
         assert await asyncio.wait_for(raising, 5) == 4
-        with pytest.raises(StaleOrder), worker.writing(3):
+        with pytest.raises(StaleOrder), worker.writing(3, 0, []):
             pytest.fail("a writer of a fenced-off epoch entered its section")
-        with worker.writing(4):
+        with worker.writing(4, 0, []):
             pass
 
 
@@ -235,18 +243,18 @@ WAIT = 0.5  # the agent's fence_wait_s in the tests of writers that stay in thei
 SPAWN = multiprocessing.get_context("spawn")
 
 
-def hung_writer(handle: PoolHandle, epoch: int, step: RequestPlan, tokens: list[int],
+def hung_writer(handle: PoolHandle, plan: StepPlan, step: RequestPlan, tokens: list[int],
                 entered: Any, resume: Any, told: Any) -> None:
-    """A worker, in a process of its own, whose pass of a plan of `epoch` hangs inside its
+    """A worker, in a process of its own, whose pass of `step` of `plan` hangs inside its
     section (after the fence check, before its bytes) until `resume`, then writes them; then it
     tries the pass again and tells how that went."""
     view = PagedPool.attach(handle)
-    with view.writing(epoch):
+    with writing(view, plan, step):
         entered.set()
         resume.wait(60)
         write_pages(view, step, tokens)
     try:
-        write(view, epoch, step, tokens)
+        write(view, plan, step, tokens)
         told.put("written")
     except StaleOrder as exc:
         told.put(f"refused: {exc}")
@@ -256,7 +264,7 @@ def brief_writer(handle: PoolHandle, epoch: int, page: int, entered: Any, leavin
     """A worker, in a process of its own, that stays 0.3 s in its section writing `page` and
     says it is leaving just before it does."""
     view = PagedPool.attach(handle)
-    with view.writing(epoch):
+    with view.writing(epoch, 0, []):  # no page checked: the epoch fence alone
         entered.set()
         time.sleep(0.3)
         view.buffer[:, page] = 0xA5
@@ -296,7 +304,7 @@ async def test_a_writer_hung_in_its_section_holds_a_bump_up_for_the_fence_wait_o
         planned = await tier.plan("p", [new_request("zombie", ZOMBIE, len(ZOMBIE), BLOCK)])
         zombie, old = only(planned), planned.epoch
         entered, resume, told = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
-        with child(hung_writer, agent.handle(), old, zombie, ZOMBIE, entered, resume,
+        with child(hung_writer, agent.handle(), planned, zombie, ZOMBIE, entered, resume,
                    told) as holder:
             assert await asyncio.to_thread(entered.wait, 60), "the writer never entered"
             await service.agent_lost("p", 0)
@@ -335,5 +343,142 @@ async def test_a_writer_leaving_within_the_fence_wait_is_waited_for_in_place(ser
         assert agent.handle() == handle and not stall_warnings(caplog)  # the same memory
         view = PagedPool.attach(handle)
         assert (view.buffer[:, 5] == 0xA5).all() and view.fence.epoch() == 4
-        with pytest.raises(StaleOrder, match="fenced at epoch 4"), view.writing(3):
+        with pytest.raises(StaleOrder, match="fenced at epoch 4"), view.writing(3, 0, []):
             pytest.fail("a writer of a fenced-off epoch entered its section")
+
+
+# The fence per request (`gpu_pool.claims`): a write planned for a request that is over is
+# refused once its pages are handed to another step, in the same epoch. The red-team finding:
+# a pass that outlived its request's lease wrote, still in its plan's epoch, into pages the
+# reaper had freed and the next step had handed to another request.
+
+REAP_FAST = ReaperSettings(every_s=0.05)
+
+
+def test_runs_are_the_sorted_consecutive_stretches():
+    assert runs([7, 1, 2, 3, 9, 8, 2]) == [(1, 3), (7, 3)]
+    assert runs([]) == []
+
+
+def test_a_page_claimed_by_a_later_step_refuses_the_earlier_ones_writes():
+    with PagedPool.create(TINY.model, TINY.cache) as pool:
+        worker = PagedPool.attach(pool.handle())
+        with pytest.raises(StaleOrder):  # never claimed: no step may write it
+            with worker.writing(0, 5, [1]):
+                pass
+        pool.claims.claim(5, [1, 2, 3], 1.0)
+        with worker.writing(0, 5, [1, 2, 3]):
+            worker.buffer[:, 1] = 1
+        pool.claims.claim(6, [2], 1.0)  # page 2 handed to step 6
+        with pytest.raises(StaleOrder, match=r"pages \[2\]"), worker.writing(0, 5, [1, 2]):
+            pytest.fail("a write of step 5 entered a section over a page of step 6")
+        with worker.writing(0, 6, [2]), worker.writing(0, 5, [1, 3]):
+            pass
+
+
+def in_section(handle: PoolHandle, stamp: int, page: int, entered: Any, hold_s: float,
+               claimed: Any, told: Any) -> None:
+    """A worker that stays `hold_s` in its section over `page`, writes it, then tries again
+    once told the page was claimed."""
+    view = PagedPool.attach(handle)
+    with view.writing(0, stamp, [page]):
+        entered.set()
+        time.sleep(hold_s)
+        view.buffer[:, page] = 0x5A
+    claimed.wait(60)
+    try:
+        with view.writing(0, stamp, [page]):
+            told.put("written")
+    except StaleOrder:
+        told.put("refused")
+
+
+def test_a_claim_waits_for_a_writer_in_the_page_and_its_next_write_is_refused():
+    """The race where the release lands mid-write: the claim that hands the page on is granted
+    once the writer left its section (its bytes come before the new owner's), and its next
+    section over the page is refused."""
+    with PagedPool.create(TINY.model, TINY.cache) as pool:
+        pool.claims.claim(5, [4], 1.0)
+        entered, claimed, told = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+        with child(in_section, pool.handle(), 5, 4, entered, 0.4, claimed, told):
+            assert entered.wait(60), "the writer never entered"
+            begin = time.monotonic()
+            pool.claims.claim(6, [4, 5], 10.0)
+            assert time.monotonic() - begin >= 0.2, "claimed with a writer in the page"
+            assert (pool.buffer[:, 4] == 0x5A).all()  # its bytes landed before the claim
+            claimed.set()
+            assert told.get(timeout=30) == "refused"
+        pool.claims.claim(7, [5], 1.0)  # other pages were never held
+
+
+def test_a_claim_over_a_hung_writer_stalls_within_its_wait_and_claims_nothing():
+    with PagedPool.create(TINY.model, TINY.cache) as pool:
+        pool.claims.claim(5, [4], 1.0)
+        entered, told = SPAWN.Event(), SPAWN.Queue()
+        with child(in_section, pool.handle(), 5, 4, entered, 60.0, SPAWN.Event(), told):
+            assert entered.wait(60), "the writer never entered"
+            begin = time.monotonic()
+            with pytest.raises(WriterStalled):
+                pool.claims.claim(6, [3, 4], 0.3)
+            assert time.monotonic() - begin < 5
+            assert [pool.claims.stamp(p) for p in (3, 4)] == [0, 5]  # all or nothing
+
+
+async def test_a_pass_that_outlived_its_lease_is_refused_on_the_pages_handed_on(redis,
+                                                                                 redis_url):
+    """The zombie's scheduler stalls past its lease: the reaper releases it and frees its pages,
+    the next step hands them to `fresh` (same epoch), whose pass and commit complete; the
+    zombie's late pass is then refused, and hits on `fresh`'s prefix read its bytes only."""
+    async with running_service(redis_url, request_lease_s=0.3, reaper=REAP_FAST) as service, \
+            running_agent(service.url) as agent, \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
+        view = PagedPool.attach(agent.handle())
+        planned = await tier.plan("p", [new_request("zombie", ZOMBIE, len(ZOMBIE), BLOCK)])
+        zombie = only(planned)
+        await eventually(lambda: tier.stats("p"), lambda s: s.requests == 0)  # reaped
+        fresh_plan = await tier.plan("p", [new_request("fresh", FRESH, len(FRESH), BLOCK)])
+        assert fresh_plan.epoch == planned.epoch, "the same epoch: the epoch fence is no help"
+        fresh = only(fresh_plan)
+        shared = set(zombie.written_pages(TINY.cache.page_tokens)) & \
+            set(fresh.written_pages(TINY.cache.page_tokens))
+        assert shared, "the next step reuses the reaped request's pages"
+        await finish(tier, view, fresh_plan, "fresh", FRESH)
+        with pytest.raises(StaleOrder, match="handed to another request"):
+            write(view, planned, zombie, ZOMBIE)
+        hit = await hit_on(tier, FRESH)
+        assert wrong_bytes(view, hit, FRESH) == 0
+        await tier.release("p", ["hit"])
+        await assert_no_pins(redis)
+
+
+def stalled_zombie(handle: PoolHandle, plan: Any, step: Any, tokens: list[int],
+                   entered: Any) -> None:
+    """The zombie's pass, hung inside its section over its pages."""
+    view = PagedPool.attach(handle)
+    with writing(view, plan, step):
+        entered.set()
+        time.sleep(120)
+        write_pages(view, step, tokens)
+
+
+async def test_a_hung_late_writer_costs_a_retryable_step_and_an_epoch_not_a_wrong_hit(
+        redis, redis_url):
+    """The zombie hangs in its section over pages the next step claims: the claim stalls past
+    the agent's wait, the step is refused (retryable) and the pool starts a new epoch, which
+    moves it to new memory away from the holder; planning again then succeeds."""
+    async with running_service(redis_url, request_lease_s=0.3, reaper=REAP_FAST) as service, \
+            running_agent(service.url, fence_wait_s=0.3) as agent, \
+            CacheTierClient(service.url, token=TOKEN, timeout=20) as tier:
+        planned = await tier.plan("p", [new_request("zombie", ZOMBIE, len(ZOMBIE), BLOCK)])
+        entered = SPAWN.Event()
+        with child(stalled_zombie, agent.handle(), planned, only(planned), ZOMBIE, entered):
+            assert await asyncio.to_thread(entered.wait, 60), "the zombie never entered"
+            await eventually(lambda: tier.stats("p"), lambda s: s.requests == 0)  # reaped
+            with pytest.raises(Exception) as refused:
+                await tier.plan("p", [new_request("fresh", FRESH, len(FRESH), BLOCK)])
+            assert getattr(refused.value, "retryable", False), refused.value
+            assert (await tier.stats("p")).epoch > planned.epoch
+            # the new epoch's fence moves the pool away from the holder, then the step runs
+            again = await tier.plan("p", [new_request("fresh", FRESH, len(FRESH), BLOCK)])
+            await finish(tier, PagedPool.attach(agent.handle()), again, "fresh", FRESH)
+        await assert_no_pins(redis)

@@ -79,7 +79,9 @@ async def test_a_scheduler_killed_between_plan_and_release_leaks_nothing_after_i
             scheduler.wait(10)
             scheduler.stdout.close()
         state = await read_pool(redis, pool_keys("p"))
-        assert set(state.req) == {"hit", "cold", "reader"} and set(state.lease) == set(state.req)
+        # its requests, under the ids the service scoped by their owner (`service.ownership`)
+        assert {rid.split(":", 1)[1] for rid in state.req} == {"hit", "cold", "reader"}
+        assert set(state.lease) == set(state.req)
         assert state.tix and any(rec["ref"] for rec in state.pages.values())
         async with asyncio.timeout(lease + 5):
             while (await read_pool(redis, pool_keys("p"))).req:

@@ -238,14 +238,15 @@ async def test_route_probes_every_shard_in_one_round_trip_and_answers_as_each_po
         await probe_pools(indexes, 200, hashes)
 
 
-async def test_route_on_one_server_is_one_round_trip_for_every_pool(redis, monkeypatch):
+async def test_route_on_one_server_is_one_round_trip_for_every_pool(redis, redis_operator,
+                                                                    monkeypatch):
     """One server is one shard: the probes of every pool go in one pipeline, answers as the
     pools' own probes (and a node without the library loads it and asks again in a second)."""
     indexes = [PrefixIndex(redis, f"one{n}", TINY) for n in range(3)]
     await hold_growing_prefixes(indexes)
     hashes = chain_hashes(DOC[:200], ROOT, BLOCK)
     own = [await index.probe(200, hashes) for index in indexes]
-    await redis.function_flush()
+    await redis_operator.function_flush()
     sent: list[int] = []  # one write per round trip: the client then waits for the replies
     real = AbstractConnection.send_packed_command
 

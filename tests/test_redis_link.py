@@ -42,8 +42,9 @@ def test_every_connection_kind_keeps_its_own_behaviour(base: type) -> None:
     assert hiredis_packing(packing) is packing
 
 
-async def test_a_server_client_sends_through_hiredis_packing_connections(redis_url: str) -> None:
-    client = connect(RedisTarget(redis_url))
+async def test_a_server_client_sends_through_hiredis_packing_connections(
+        operator_url: str) -> None:
+    client = connect(RedisTarget(operator_url))
     try:
         assert await client.execute_command("ECHO", b"\x00\xff") == b"\x00\xff"
         pool = client.connection_pool

@@ -56,9 +56,10 @@ DOC = [11 + (7 * i) % 1000 for i in range(400)]
 
 
 class ScriptedAgent:
-    """An agent at the protocol level that answers copy batches as the test says. Fences are
-    acknowledged as a real agent with nothing in flight does, by a reader of its own that hands
-    every other frame to `next_copy`."""
+    """An agent at the protocol level that answers copy batches as the test says. Fences, and
+    batches that only claim pages (a cold step's: `gpu_pool.claims`), are acknowledged as a real
+    agent with nothing in flight does, by a reader of its own that hands every other frame to
+    `next_copy`."""
 
     def __init__(self, stream: FramedStream, registered: Registered) -> None:
         self.stream = stream
@@ -81,6 +82,8 @@ class ScriptedAgent:
                 if frame.get("op") == "fence":
                     self.fences.append(frame["epoch"])
                     await self.stream.send(ok_frame(frame["id"], frame["epoch"]))
+                elif frame.get("op") == "copy" and not frame["copies"]:
+                    await self.stream.send(ok_frame(frame["id"], None))
                 else:
                     await self._frames.put(frame)
         except (CacheTierError, OSError):  # closed by either side

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from tests.test_cluster import UP, wait_for_line
+from tests.up_harness import UP, wait_for_line
 
 LONG_STEPS = """
 import asyncio, json, os, sys

@@ -36,6 +36,7 @@ from gpu_pool.pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
 from index.lifecycle import RequestLifecycle
 from index.records import CommitItem, RequestPlan, StepPlan, StepRefusal, StepRequest
+from index.tickets import write_stamp
 from tinymodel import ChunkRequest, TinyHybrid, outputs_match
 
 
@@ -157,9 +158,11 @@ class PrefillScheduler:
         self.step_count += 1
         by_rid = {r.rid: r for r in batch}
         planned = [(by_rid[p.rid], p) for p in plan.requests]
-        with contextlib.ExitStack() as writing:  # every rank fenced for the plan's epoch
+        stamp, page_tokens = write_stamp(plan.ticket), self.config.cache.page_tokens
+        pages = [page for _, p in planned for page in p.written_pages(page_tokens)]
+        with contextlib.ExitStack() as writing:  # every rank fenced for the plan's step
             for rank in self.ranks:
-                writing.enter_context(rank.writing(plan.epoch))
+                writing.enter_context(rank.writing(plan.epoch, stamp, pages))
             outputs = self.model.forward(self.ranks, [ChunkRequest.from_plan(p, r.tokens)
                                                      for r, p in planned])
         items = [self._advance(r, p, out) for (r, p), out in zip(planned, outputs)]

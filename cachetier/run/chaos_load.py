@@ -33,6 +33,7 @@ from cachetier.errors import CacheTierError
 from gpu_pool.pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
 from index.records import CommitItem, RequestPlan, StepPlan, StepRefusal, StepRequest
+from index.tickets import write_stamp
 
 ROOT = namespace_root("cachetier-chaos")
 _ATTACH_TIMEOUT_S = 20.0
@@ -136,12 +137,13 @@ def wrong_bytes(views: list[PagedPool], step: RequestPlan, tokens: list[int],
     return None
 
 
-def forward(views: list[PagedPool], epoch: int, step: RequestPlan, tokens: list[int],
+def forward(views: list[PagedPool], plan: StepPlan, step: RequestPlan, tokens: list[int],
             page_tokens: int, checkpoint_tokens: int) -> None:
-    """The pass of a plan of `epoch`, under every rank's fence as a worker writes."""
+    """The pass of `step` of `plan`, under every rank's fence and claims as a worker writes."""
+    stamp, pages = write_stamp(plan.ticket), step.written_pages(page_tokens)
     with contextlib.ExitStack() as fences:
         for view in views:
-            fences.enter_context(view.writing(epoch))
+            fences.enter_context(view.writing(plan.epoch, stamp, pages))
         for view in views:
             for pages in step.mla_pages:
                 for pos in range(step.start, step.stop):
@@ -190,7 +192,7 @@ async def one_request(tier: CacheTierClient, workers: Workers, shape: LoadShape,
         op = "forward"
         ck = step.stop // shape.block * shape.block if step.checkpoint_pages else 0
         ck = ck if ck > step.start else 0
-        forward(views, plan.epoch, step, tokens, shape.page_tokens, ck)
+        forward(views, plan, step, tokens, shape.page_tokens, ck)
         op = "commit"
         done = await tier.commit(shape.pool, [CommitItem(rid, step.stop, ck, True)])
         op = "confirm"

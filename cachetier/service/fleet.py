@@ -15,9 +15,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from cachetier.errors import (AgentLost, AgentUnavailable, CacheTierError, ConnectionLost,
+                              ErrorCode, WriterStalled,
                               CopyFailed, CopyTimeout, RemoteError)
 from cachetier.wire.channel import Channel
 from cachetier.wire.protocol import AgentIdentity, CopyBatch, Fence
+from index.records import StepPlan
+from index.tickets import write_stamp
 
 
 @dataclass(eq=False)
@@ -50,6 +53,17 @@ async def fence_links(links: list[AgentLink], epoch: int, timeout: float) -> Non
         await _on_every_rank(late, lambda link: link.fence(epoch), timeout, "a fence")
 
 
+def step_order(plan: StepPlan, page_tokens: int, writes: int = 0) -> CopyBatch | None:
+    """What every rank runs before a step's plan is answered: its copies, and the claims of the
+    pages its requests write, for the step's stamp (`gpu_pool.claims`: a late writer of a request
+    that is over, to which some of them belonged, is refused from then on). None: neither."""
+    rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
+    claims = sorted({page for r in plan.requests for page in r.written_pages(page_tokens)})
+    if not rows and not claims:
+        return None
+    return CopyBatch(plan.epoch, rows, writes, claims, write_stamp(plan.ticket))
+
+
 async def run_copies(links: list[AgentLink], batch: CopyBatch, timeout: float) -> None:
     """Run `batch` on every rank and wait for all acks. `CopyTimeout` and `AgentLost` name the
     ranks that missed the deadline or dropped; `CopyFailed` is an agent refusing the batch."""
@@ -70,6 +84,8 @@ async def _on_every_rank(links: list[AgentLink], send: Callable[[AgentLink], Awa
         dropped = [link.rank for link, task in zip(links, tasks, strict=True) if _dropped(task)]
         raise AgentLost(f"ranks {dropped} dropped during {what}: {exc}", dropped) from exc
     except RemoteError as exc:
+        if exc.code == ErrorCode.WRITER_STALLED:
+            raise WriterStalled(f"an agent could not run {what}: {exc}") from exc
         raise CopyFailed(f"an agent refused {what}: {exc}") from exc
     finally:
         for task in tasks:

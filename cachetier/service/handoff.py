@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from cachetier.config import Config
 from cachetier.errors import BadMessage, CodedError, CopyFailed, ErrorCode, ErrorInfo, RemoteError
-from cachetier.service.fleet import AgentLink, StepGuard, fence_links, run_copies
-from cachetier.wire.protocol import CopyBatch, Fetch, HandoffReply
+from cachetier.service.fleet import AgentLink, StepGuard, fence_links, run_copies, step_order
+from cachetier.wire.protocol import Fetch, HandoffReply
 from gpu_pool.layout import PageKind
 from gpu_pool.streams import PageMove
 from index.errors import StaleEpoch
@@ -104,9 +104,9 @@ async def _fetch(links: list[AgentLink], fetch: Fetch, timeout: float) -> None:
 async def _run_plan_copies(dst: PoolSide, plan: StepPlan, timeout: float) -> None:
     dst.guard.check()
     await fence_links(dst.links, plan.epoch, timeout)  # before any write: copies, the fetch
-    rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
-    if rows:
-        await run_copies(dst.links, CopyBatch(plan.epoch, rows), timeout)
+    batch = step_order(plan, dst.config.cache.page_tokens)
+    if batch is not None:  # claimed before the fetch writes them too
+        await run_copies(dst.links, batch, timeout)
     await dst.index.confirm(plan.ticket)
 
 

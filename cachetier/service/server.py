@@ -38,11 +38,12 @@ from cachetier.config import Config
 from cachetier.credentials import Principal, Role, peer_token, verify
 from cachetier.errors import (AgentLost, BadMessage, CacheTierError, CodedError, ErrorCode,
                               ErrorInfo, HandshakeRequired, LimitExceeded, StorageFull,
-                              VersionMismatch, error_info)
+                              VersionMismatch, WriterStalled, error_info)
 from cachetier.service import access
 from cachetier.service.batching import (CommitCoalescer, ConfirmCoalescer, PlanCoalescer,
                                         ReleaseCoalescer)
-from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
+from cachetier.service.fleet import (AgentLink, PoolAgents, StepGuard, fence_links, run_copies,
+                                     step_order)
 from cachetier.service.handoff import PoolSide, hand_off
 from cachetier.service.limits import ClientQuota, ServiceLimits, check_size
 from cachetier.service.reaper import ReaperSettings, run_reaper
@@ -51,7 +52,7 @@ from cachetier.service.ownership import Owner
 from cachetier.service.recovery import PoolRecovery
 from cachetier.wire.channel import Channel, send_error, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
-from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
+from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm,
                                      Handoff, HandoffReply, Health, HealthReport, Hello,
                                      Invalidate, Pin,
                                      Plan, PlanReply, PoolStats, Register, Registered, Release,
@@ -570,15 +571,16 @@ class CacheTierService:
             # no page of this plan is written (copies, the caller's pass) before every rank has
             # fenced off older epochs, whose late writers could land in the same page ids
             await fence_links(links, plan.epoch, self.settings.copy_timeout_s)
-            rows = [(c.src, c.dst, c.offset, c.nbytes) for r in plan.requests for c in r.copies]
-            if rows:
-                batch = CopyBatch(plan.epoch, rows, state.index.writes)
+            batch = step_order(plan, state.config.cache.page_tokens, state.index.writes)
+            if batch is not None:
                 await run_copies(links, batch, self.settings.copy_timeout_s)
             await state.index.confirm(plan.ticket)
             guard.check()
         except BaseException as exc:
             # Not shielded: only `close()` cancels a step, once, and it waits for this.
             await self._lose_failed(state, links, exc)
+            if isinstance(exc, WriterStalled):  # a new epoch moves the pool away from it
+                await self._invalidate(state, exc)
             if isinstance(exc, Exception):
                 raise step_failed(exc) from exc
             raise

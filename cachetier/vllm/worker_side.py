@@ -47,6 +47,7 @@ from cachetier.vllm.settings import ConnectorSettings
 from cachetier.vllm.tier_thread import TierThread
 from gpu_pool import PagedPool, PoolHandle
 from index.records import CommitItem, RequestPlan, StepPlan, StepRequest
+from index.tickets import write_stamp
 
 log = logging.getLogger("cachetier.vllm")
 
@@ -249,7 +250,10 @@ class ConnectorWorker:
             if self._map_pool() is not mapping:
                 raise RuntimeError("the agent changed during the save")
             planned = {p.rid: p for p in plan.requests}
-            with mapping.pool.writing(plan.epoch):  # refused once the agent fenced it off
+            pages = [page for p in plan.requests
+                     for page in p.written_pages(self.config.cache.page_tokens)]
+            # refused once the agent fenced the epoch off, or handed a page to a later step
+            with mapping.pool.writing(plan.epoch, write_stamp(plan.ticket), pages):
                 self._copy_saves(mapping, [(job, planned[rid]) for rid, job in zip(rids, saves)])
             return True
         except Exception as exc:

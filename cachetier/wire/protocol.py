@@ -99,13 +99,16 @@ class Register:
 @dataclass(frozen=True)
 class CopyBatch:
     """One step's copies for one rank: `(src_page, dst_page, byte_offset, byte_count)` rows,
-    run by the agent as a single `page_copy` launch over every layer slot."""
+    run by the agent as a single `page_copy` launch over every layer slot, after it handed the
+    pages the step's requests write (`claims`) to the step (`stamp`: `gpu_pool.claims`)."""
 
     op: ClassVar[str] = "copy"
     reply: ClassVar[Any] = None
     epoch: int
     copies: list[tuple[int, int, int, int]]
     writes: int = 0  # the pool's write count when the step was planned (`index.identity`)
+    claims: list[int] = field(default_factory=list)
+    stamp: int = 0
 
 
 @dataclass(frozen=True)
