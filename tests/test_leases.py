@@ -135,11 +135,12 @@ def test_serve_takes_its_request_lease_from_the_command_line(monkeypatch, flags,
         settings.append(given)
 
     monkeypatch.setattr("cachetier.run.nodes.run_service", run_service)
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET, *flags]) == 0
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", *flags]) == 0
     assert [s.request_lease_s for s in settings] == [lease]
 
 
-def test_a_negative_request_lease_is_refused(capsys):
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET,
-                 "--request-lease", "-1"]) == 2
+def test_a_negative_request_lease_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--request-lease", "-1"]) == 2
     assert "cachetier: --request-lease:" in capsys.readouterr().err
