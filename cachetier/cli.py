@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -184,25 +185,45 @@ def _agent(args: argparse.Namespace, rest: Sequence[str]) -> int:
 
 
 def _secret(args: argparse.Namespace, name: str, variable: str, required: bool = True) -> str:
-    """A secret from `--NAME-file` (compose's secrets), `--NAME` or the environment; a file or
-    the environment keeps it off the command line, which every local user can read."""
-    flag = f"--{name.replace('_', '-')}"
-    path = getattr(args, f"{name}_file", None)
+    """A secret from `--NAME-file` (compose's secrets) or the environment, never from the
+    command line, which every local user can read (`_SecretOnCommandLine`)."""
+    flag = f"--{name.replace('_', '-')}-file"
+    path = getattr(args, f"{name}_file")
     try:
-        value = path.read_text().strip() if path else getattr(args, name, None)
+        value = path.read_text().strip() if path else ""
     except OSError as exc:
-        raise ConfigError(f"{flag}-file", str(exc)) from None
+        raise ConfigError(flag, str(exc)) from None
     value = value or os.environ.get(variable, "")
     if required and not value:
-        raise ConfigError(flag, f"required (or {flag}-file, or set {variable})")
+        raise ConfigError(flag, f"required (or set {variable})")
     return value
 
 
+class _SecretOnCommandLine(argparse.Action):
+    """`--NAME VALUE`, refused: a command line is readable by every local user (`ps`,
+    `/proc/PID/cmdline`). The flag stays declared, hidden, so that argparse never takes
+    `--secret S` for an abbreviation of `--secret-file S`."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, variable: str,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.variable = variable
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        raise argparse.ArgumentError(self, f"a secret on the command line is readable by every "
+                                           f"local user: use {option_string}-file PATH or set "
+                                           f"{self.variable}")
+
+
 def _add_secret_arguments(parser: argparse.ArgumentParser, name: str, what: str,
-                          variable: str) -> None:
+                          variable: str, otherwise: str = "") -> None:
+    """`--NAME-file PATH`, and `--NAME`, which refuses its value; `otherwise`: the default
+    when neither the file nor `variable` is given."""
     flag = f"--{name.replace('_', '-')}"
-    parser.add_argument(flag, help=f"{what} (default: ${variable})")
-    parser.add_argument(f"{flag}-file", type=Path, metavar="PATH", help=f"a file holding {what}")
+    parser.add_argument(flag, action=functools.partial(_SecretOnCommandLine, variable=variable))
+    parser.add_argument(f"{flag}-file", type=Path, metavar="PATH",
+                        help=f"a file holding {what} (default: ${variable}{otherwise})")
 
 
 def registry_names(text: str, flag: str, kind: str, registry: Sequence[str], *,
@@ -320,7 +341,8 @@ def _add_agent_parser(commands: Any) -> None:
     agent.add_argument("--tp-degree", type=int, default=1, help="tensor-parallel degree")
     agent.add_argument("--device", default="cpu", help="cpu or cuda:N")
     agent.add_argument("--handle-file", type=Path, metavar="PATH",
-                       help="where to write the pickled PoolHandle a worker attaches with")
+                       help="where to write the pickled PoolHandle a worker attaches with "
+                            "(0600: who reads it maps the pool)")
     agent.add_argument("--debug", action="store_true", help="check page type tags on every view")
     agent.add_argument("--data-listen", default="tcp://127.0.0.1:0", metavar="URL",
                        help="where peer agents pull this rank's pages (default: any loopback port)")
@@ -353,10 +375,15 @@ def _cluster_settings(args: argparse.Namespace, agents: int) -> ClusterSettings:
         raise ConfigError("--redis-cluster", str(exc)) from None
     if not args.no_metrics and not 0 <= args.metrics_port < 65536:
         raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
-    return ClusterSettings(run_dir=run_dir.resolve(), secret=args.secret or secrets.token_hex(16),
+    return ClusterSettings(run_dir=run_dir.resolve(), secret=_cluster_secret(args),
                            config=config, serve_config_args=tuple(serve_config), agents=agents,
                            port=args.port, redis_cluster=redis_cluster, tls=args.tls,
                            metrics_port=None if args.no_metrics else args.metrics_port)
+
+
+def _cluster_secret(args: argparse.Namespace) -> str:
+    """`up`'s, `demo`'s and `chaos`'s cluster secret: given, or a new random one."""
+    return _secret(args, "secret", "CACHETIER_SECRET", required=False) or secrets.token_hex(16)
 
 
 def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -377,8 +404,9 @@ def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
     if args.info is None:
         raise ConfigError("--info", "where to write the engines' settings: required with "
                                     "--vllm-model")
-    return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir, secret=args.secret,
-                                 port=args.port, agents=1 if args.agents is None else args.agents,
+    return vllm_cluster_settings(args.vllm_model, run_dir=args.run_dir,
+                                 secret=_cluster_secret(args), port=args.port,
+                                 agents=1 if args.agents is None else args.agents,
                                  pool_pages=args.pool_pages, hash_unit=args.vllm_hash_unit,
                                  kv_events_endpoint=args.kv_events_endpoint,
                                  overrides=args.overrides, tls=args.tls)
@@ -445,8 +473,8 @@ def _zygote(args: argparse.Namespace, rest: Sequence[str]) -> int:
 def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--port", type=int, default=port,
                         help=f"service TCP port (0: any free port; default {port})")
-    parser.add_argument("--secret", help="the cluster secret the credentials are derived from "
-                                         "(default: a new random one)")
+    _add_secret_arguments(parser, "secret", "the cluster secret the credentials are derived from",
+                          "CACHETIER_SECRET", ", else a new random one")
     parser.add_argument("--tls", action="store_true",
                         help="TLS on every link (the service, Redis, the broker), under a CA made "
                              "for the run (tls/ca.pem in the run directory)")

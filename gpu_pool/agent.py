@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import pickle
 import random
 import ssl
@@ -44,6 +43,7 @@ import torch
 from cachetier.config import CacheSpec, ModelSpec
 from cachetier.errors import (BrokenStream, CacheTierError, ConnectionLost, RemoteError,
                               RequestTimeout, error_info)
+from cachetier.private_files import write_private
 from cachetier.wire.channel import exchange, serve_requests
 from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
 from cachetier.wire.protocol import (AGENT_OPS, PROTOCOL_VERSION, AgentIdentity, CopyBatch, Fence,
@@ -213,9 +213,9 @@ class Agent:
         path = self.settings.handle_file
         if path is None:
             return
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_bytes(pickle.dumps(handle))
-        temporary.replace(path)  # a worker never reads a half-written handle
+        # 0600: whoever reads the handle maps the pool and can overwrite its pages; written
+        # whole, then renamed, so a worker never reads half of it
+        write_private(path, pickle.dumps(handle))
 
     async def _serve_op(self, message: CopyBatch | Fence | Fetch) -> int | None:
         if isinstance(message, Fence):

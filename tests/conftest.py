@@ -14,6 +14,7 @@ tests share one tiny Qwen3-Next (`model_dir`), written once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -34,6 +35,17 @@ from tests.cluster_harness import REDIS_ACL, TOKEN, as_service_user, running_age
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3-Next the vLLM tests serve, written once per session."""
     return write_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen"))
+
+
+@pytest.fixture
+def usual_umask() -> Iterator[None]:
+    """The usual umask, 022, under which a file created without a mode is world-readable: a
+    file found 0600 under it was made so on purpose."""
+    previous = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import stat
 from collections.abc import AsyncIterator
 
 import pytest
@@ -151,9 +152,13 @@ async def test_the_observer_hears_each_registration(scripted):
     assert heard == [("p", 0, scripted.url, scripted.epoch)] * 2
 
 
-async def test_the_pool_is_shared_through_the_handle_file_and_removed_at_exit(service, tmp_path):
+async def test_the_pool_is_shared_through_a_private_handle_file_removed_at_exit(service, tmp_path,
+                                                                               usual_umask):
+    """Whoever reads the handle maps the pool and can overwrite its pages: only the agent's
+    user reads it (0600)."""
     handle_file = tmp_path / "pool.handle"
     async with running_agent(service.url, handle_file=handle_file) as agent:
+        assert stat.S_IMODE(handle_file.stat().st_mode) == 0o600
         handle = pickle.loads(handle_file.read_bytes())
         assert handle == agent.handle()
         assert (handle.model, handle.cache) == (TINY.model, TINY.cache)
@@ -219,7 +224,8 @@ async def test_an_agent_runs_torch_on_the_threads_it_is_given(service, threads):
         torch.set_num_threads(before)
 
 
-def test_a_torch_thread_count_below_one_is_refused(capsys):
-    assert main(["agent", "--service", "tcp://127.0.0.1:1", "--pool", "p", "--token", TOKEN,
+def test_a_torch_thread_count_below_one_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("CACHETIER_TOKEN", TOKEN)
+    assert main(["agent", "--service", "tcp://127.0.0.1:1", "--pool", "p",
                  "--torch-threads", "0"]) == 2
     assert "cachetier: --torch-threads:" in capsys.readouterr().err

@@ -43,6 +43,7 @@ import torch
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import CacheTierError, ErrorCode, RemoteError
+from cachetier.private_files import write_private
 from cachetier.run.chaos_load import release_for_sure
 from cachetier.run.nodes import run_service
 from cachetier.run.servers import MosquittoServer, parent_death_hook
@@ -135,14 +136,17 @@ class Agents:
             preexec_fn=parent_death_hook())  # noqa: PLW1509
         self._zygote_ready = False
         self._count = 0
+        # by file, as `up` gives a forked agent its token: a forked agent has the zygote's
+        # environment, and a command line is readable by every local user
+        self.token_file = write_private(tmp / "agent-token", agent_token(POOL))
 
     def _next(self) -> int:
         self._count += 1
         return self._count
 
     def argv(self, service: str, handle_file: Path, mqtt: str | None) -> list[str]:
-        args = ["agent", "--service", service, "--pool", POOL, "--token", agent_token(POOL),
-                "--handle-file", str(handle_file), "--log-level", "info"]
+        args = ["agent", "--service", service, "--pool", POOL, "--token-file",
+                str(self.token_file), "--handle-file", str(handle_file), "--log-level", "info"]
         return args + (["--mqtt", mqtt] if mqtt else [])
 
     def start_cli(self, service: str, mqtt: str | None = None) -> AgentProc:

@@ -1,5 +1,6 @@
-"""`cachetier config show`, the bench delegation, and the flags that pick registry entries by name
-(`demo --policy`, `replay --policies`), run in-process through `cli.main`."""
+"""`cachetier config show`, the bench delegation, the flags that pick registry entries by name
+(`demo --policy`, `replay --policies`) and those that take a secret (by file or environment,
+never as a value), run in-process through `cli.main`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from cachetier.cli import main
+from cachetier.cli import build_parser, main
 from cachetier.config import load_config
 from cachetier.engine.checkpoint_placement import PLACEMENTS
 from cachetier.replay.replayer import PromptHashes, ReplayContext
@@ -381,3 +382,56 @@ def test_help_says_which_names_each_flag_takes(capsys: pytest.CaptureFixture[str
     replay_help = " ".join(run_cli(capsys, "replay", "--help")[1].split())
     assert f"--policies NAME,NAME,... replay runners to compare, among {RUNNER_LIST} " \
            "(default: all)" in replay_help
+
+
+SECRET = "s3cr3t-" * 6
+
+
+@pytest.mark.parametrize("argv, flag, variable", [
+    (["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET], "--secret",
+     "CACHETIER_SECRET"),
+    (["serve", "--redis", "redis://127.0.0.1:1", "--redis-user", "cachetier",
+      f"--redis-password={SECRET}"], "--redis-password", "CACHETIER_REDIS_PASSWORD"),
+    (["agent", "--service", "tcp://127.0.0.1:1", "--pool", "p", "--token", SECRET], "--token",
+     "CACHETIER_TOKEN"),
+    (["events", "vllm", "--mqtt", "mqtt://127.0.0.1:1", "--endpoint", "tcp://*:5557", "--token",
+      SECRET], "--token", "CACHETIER_TOKEN"),
+    (["up", "--secret", SECRET], "--secret", "CACHETIER_SECRET"),
+    (["demo", "--secret", SECRET], "--secret", "CACHETIER_SECRET"),
+    (["chaos", "--secret", SECRET], "--secret", "CACHETIER_SECRET"),
+], ids=["serve", "serve-redis-password", "agent", "events-vllm", "up", "demo", "chaos"])
+def test_a_secret_given_on_the_command_line_is_refused(capsys: pytest.CaptureFixture[str],
+                                                       argv: list[str], flag: str,
+                                                       variable: str) -> None:
+    """Refused at parsing, before anything runs, and not taken for an abbreviation of the file
+    flag either: the message says where a secret goes instead."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_known_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: a secret on the command line is readable by every local user: " \
+           f"use {flag}-file PATH or set {variable}" in err
+
+
+@pytest.fixture
+def up_settings(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """`up` without a cluster: the settings it would run with."""
+    started: list[Any] = []
+    monkeypatch.setattr("cachetier.run.cluster.up", lambda settings: started.append(settings) or 0)
+    monkeypatch.delenv("CACHETIER_SECRET", raising=False)
+    return started
+
+
+def test_up_takes_its_secret_from_a_file_or_the_environment(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            up_settings: list[Any]) -> None:
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    assert run_cli(capsys, "up", "--secret-file", str(tmp_path / "secret"), *run_dir)[0] == 0
+    assert run_cli(capsys, "up", *run_dir)[0] == 0  # a new random one
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET[::-1])
+    assert run_cli(capsys, "up", *run_dir)[0] == 0
+    file, random, environment = (settings.secret for settings in up_settings)
+    assert (file, environment) == (SECRET, SECRET[::-1])
+    assert len(random) == 32 and random not in (SECRET, SECRET[::-1])

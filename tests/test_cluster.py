@@ -58,16 +58,20 @@ def test_demo_hits_from_the_second_turn_verifies_every_output_and_leaves_nothing
     assert (tmp_path / "redis-data" / "appendonlydir").is_dir()  # AOF: metadata survives `up`
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
+def test_ctrl_c_stops_every_process(tmp_path, usual_umask):
     run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    secret = tmp_path / "secret"
+    secret.write_text("cluster-secret-" * 4 + "\n")
     with open(console, "wb") as out:
-        proc = subprocess.Popen([*UP, "--run-dir", str(run_dir)], stdout=out, stderr=out)
+        proc = subprocess.Popen([*UP, "--secret-file", str(secret), "--run-dir", str(run_dir)],
+                                stdout=out, stderr=out)
     try:
         wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
         pids = children(run_dir)
         assert all(running(pid) for pid in pids.values())
         redis_url = re.search(r"redis (unix://\S+),", console.read_text())[1]
         check_credentials(run_dir, pids, redis_url)
+        check_secret_stays_private(run_dir, pids, proc.pid, secret.read_text().strip())
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:
@@ -89,9 +93,7 @@ def check_credentials(run_dir: Path, pids: dict[str, int], redis_url: str) -> No
     assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in files.values())
     tokens = {path.read_text().strip() for path in files.values()}
     for name in ("service", "agent-0", "agent-1"):
-        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pids[name]}/environ")
-                       .read_text().split("\0") if "=" in item)
-        held = {k: v for k, v in environ.items() if k.startswith("CACHETIER_")}
+        held = {k: v for k, v in environ(pids[name]).items() if k.startswith("CACHETIER_")}
         if name == "service":
             assert held["CACHETIER_REDIS_PASSWORD"] == files["redis-cachetier"].read_text().strip()
             assert set(held) == {"CACHETIER_SECRET", "CACHETIER_REDIS_PASSWORD"}
@@ -102,6 +104,27 @@ def check_credentials(run_dir: Path, pids: dict[str, int], redis_url: str) -> No
         assert not [t for t in tokens | set(held.values()) if t in command_line], name
     with pytest.raises(redis.AuthenticationError):
         redis.Redis.from_url(redis_url).ping()
+
+
+def environ(pid: int) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text()
+                .split("\0") if "=" in item)
+
+
+def check_secret_stays_private(run_dir: Path, pids: dict[str, int], up_pid: int,
+                               secret: str) -> None:
+    """The cluster secret goes from `up --secret-file` to the service by its environment, on no
+    command line (`up`'s own included); every file of the run directory holding the secret, a
+    token or a pool handle (the agents' `*.handle`: whoever reads one maps the pool) is 0600."""
+    assert environ(pids["service"])["CACHETIER_SECRET"] == secret
+    command_lines = [Path(f"/proc/{pid}/cmdline").read_text() for pid in [up_pid, *pids.values()]]
+    assert not [line for line in command_lines if secret in line]
+    tokens = {secret} | {path.read_text().strip() for path in (run_dir / "credentials").iterdir()}
+    files = [path for path in run_dir.rglob("*") if path.is_file()]  # logs: links, followed
+    holding = [path for path in files if path.suffix == ".handle"
+               or any(token.encode() in path.read_bytes() for token in tokens)]
+    assert {"agent-0.handle", "agent-1.handle", "client", "service"} <= {p.name for p in holding}
+    assert [p for p in holding if stat.S_IMODE(p.stat().st_mode) != 0o600] == []
 
 
 def test_a_dead_agent_stops_the_cluster_without_orphans(tmp_path):

@@ -2,9 +2,9 @@
 no import cycle exists, between rooms or between modules.
 
 The low packages (the index, the pool and its agent, the kernels, eviction, the tiny model) may
-use `cachetier.config`, `cachetier.errors` and the wire (`cachetier.wire.*`: the agent speaks it)
-and each other; never the service, the events, the engine, the runners, the replay, the
-benchmarks, the client or the CLI. Inside `cachetier` each subpackage and each top-level module is
+use `cachetier.config`, `cachetier.errors`, `cachetier.private_files` (the agent's handle file)
+and the wire (`cachetier.wire.*`: the agent speaks it) and each other; never the service, the
+events, the engine, the runners, the replay, the benchmarks, the client or the CLI. Inside `cachetier` each subpackage and each top-level module is
 a room of its own, so a cycle between, say, the replay and the runners fails here even when it
 goes through lazy imports inside functions.
 """
@@ -21,7 +21,8 @@ from tests.import_graph import (cycles, describe, forbidden_imports, graph, impo
 ROOT = Path(__file__).resolve().parent.parent
 LOW = ("index", "gpu_pool", "kernels", "eviction", "tinymodel")
 SHIPPED = ("cachetier", *LOW)
-SHARED_BASE = ("cachetier.config", "cachetier.errors", "cachetier.wire")
+SHARED_BASE = ("cachetier.config", "cachetier.errors", "cachetier.private_files",
+               "cachetier.wire")
 ROOMS = room_of(["cachetier"])
 
 

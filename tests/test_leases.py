@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,13 +33,13 @@ DOC = [3 + (17 * i) % 700 for i in range(200)]
 FAST = ReaperSettings(every_s=0.05)
 
 SCHEDULER = r"""
-import asyncio, json, sys
+import asyncio, json, os, sys
 from cachetier.client import CacheTierClient
 from index.hashing import chain_hashes
 from tests.index_harness import ROOT, commit_item, new_request
 
-async def main(url, token, doc, block):
-    async with CacheTierClient(url, token=token) as tier:
+async def main(url, doc, block):
+    async with CacheTierClient(url, token=os.environ["CACHETIER_TOKEN"]) as tier:
         hit = doc[:100] + [1]
         plan = await tier.plan("p", [new_request("hit", hit, len(hit), block),
                                      new_request("cold", doc[120:180], 60, block)])
@@ -66,9 +67,10 @@ async def test_a_scheduler_killed_between_plan_and_release_leaks_nothing_after_i
     async with running_service(redis_url, request_lease_s=lease, reaper=FAST) as service, \
             running_agent(service.url), CacheTierClient(service.url, token=TOKEN) as tier:
         await cache_doc(tier)
-        args = json.dumps([service.url, TOKEN, DOC, BLOCK])
+        args = json.dumps([service.url, DOC, BLOCK])  # the token by environment, as ever
         scheduler = subprocess.Popen([sys.executable, "-c", SCHEDULER, args],
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "CACHETIER_TOKEN": TOKEN})
         try:
             line = await asyncio.wait_for(asyncio.to_thread(scheduler.stdout.readline), 60)
             assert json.loads(line) == [96, 0, 96], line
@@ -137,11 +139,12 @@ def test_serve_takes_its_request_lease_from_the_command_line(monkeypatch, flags,
         settings.append(given)
 
     monkeypatch.setattr("cachetier.run.nodes.run_service", run_service)
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET, *flags]) == 0
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", *flags]) == 0
     assert [s.request_lease_s for s in settings] == [lease]
 
 
-def test_a_negative_request_lease_is_refused(capsys):
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET,
-                 "--request-lease", "-1"]) == 2
+def test_a_negative_request_lease_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--request-lease", "-1"]) == 2
     assert "cachetier: --request-lease:" in capsys.readouterr().err

@@ -337,11 +337,12 @@ def test_serve_takes_its_batch_tick_from_the_command_line(monkeypatch, flags, ti
         settings.append(given)
 
     monkeypatch.setattr("cachetier.run.nodes.run_service", run_service)
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET, *flags]) == 0
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", *flags]) == 0
     assert [s.batch_tick_s for s in settings] == [tick]
 
 
-def test_a_negative_batch_tick_is_refused(capsys):
-    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--secret", SECRET,
-                 "--batch-tick", "-1"]) == 2
+def test_a_negative_batch_tick_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("CACHETIER_SECRET", SECRET)
+    assert main(["serve", "--redis", "redis://127.0.0.1:1", "--batch-tick", "-1"]) == 2
     assert "cachetier: --batch-tick:" in capsys.readouterr().err

@@ -9,6 +9,8 @@ Qwen3-Next engine builds, and each change must be named.
 from __future__ import annotations
 
 import dataclasses
+import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,10 @@ import torch
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                         MambaSpec, MLAAttentionSpec)
 
+from cachetier.private_files import write_private
 from cachetier.vllm.geometry import (GeometryMismatch, attention_block_tokens, config_for_model,
                                      engine_args_for, geometry_differences, model_spec_from_vllm)
+from cachetier.vllm.info import connector_info, write_info
 from cachetier.vllm.settings import ConnectorConfigError, ConnectorSettings
 from cachetier.vllm.tiny import write_tiny_full_attention
 
@@ -130,12 +134,16 @@ def test_an_engine_with_other_groups_is_refused() -> None:
         model_spec_from_vllm(config, tp_degree=1)
 
 
-def test_connector_settings_name_the_bad_key() -> None:
+def test_connector_settings_name_the_bad_key(tmp_path: Path) -> None:
     good = {"service": "tcp://127.0.0.1:1", "token": "t", "pool": "p", "handle_file": "/h",
             "model_id": "m"}
     assert ConnectorSettings.from_extra_config(good).placement == "ladder"
+    no_token = {k: v for k, v in good.items() if k != "token"}
     for broken, message in (({**good, "pool": 3}, "pool: expected str"),
-                            ({k: v for k, v in good.items() if k != "token"}, "token is missing"),
+                            (no_token, "token is missing"),
+                            ({**good, "token_file": "/t"}, "token or token_file, not both"),
+                            ({**no_token, "token_file": str(tmp_path / "none")},
+                             "token_file: .*No such file"),
                             ({**good, "colour": "red"}, "unknown keys \\['colour'\\]"),
                             ({**good, "placement": "nowhere"}, "placement: unknown")):
         with pytest.raises(ConnectorConfigError, match=message):
@@ -153,3 +161,26 @@ def test_each_rank_finds_its_own_agent_and_all_share_the_engine_id() -> None:
     assert one.handle_file_of(0) == "/run/agent-0.handle"
     with pytest.raises(ConnectorConfigError, match="needs a '\\{rank\\}'"):
         one.handle_file_of(1)
+
+
+def test_the_info_file_is_readable_by_its_owner_only(tmp_path: Path, usual_umask: None) -> None:
+    """It holds the client token."""
+    info = tmp_path / "info.json"
+    write_info(info, {"token": "client.mac"})
+    assert stat.S_IMODE(info.stat().st_mode) == 0o600
+    assert json.loads(info.read_text()) == {"token": "client.mac"}
+
+
+def test_vllm_serve_args_name_the_token_file_not_the_token(model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """`vllm serve MODEL $(jq -r '.vllm_serve_args[]' FILE)` puts every flag on a command line
+    every local user reads: the connector is given the token's file, and reads it at start."""
+    token_file = write_private(tmp_path / "client", "client.mac\n")
+    info = connector_info(service="tcp://127.0.0.1:1", token="client.mac", token_file=token_file,
+                          pool="p", handle_file="/run/agent-{rank}.handle", model_dir=model_dir,
+                          config=config_for_model(model_dir, num_pages=32))
+    assert info["token"] == "client.mac"  # for the user's own clients
+    assert not [flag for flag in info["vllm_serve_args"] if "client.mac" in flag]
+    extra = info["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["token_file"] == str(token_file) and "token" not in extra
+    assert ConnectorSettings.from_extra_config(extra).token == "client.mac"

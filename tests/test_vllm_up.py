@@ -2,8 +2,8 @@
 tensor-parallel size 2, run as a user runs it.
 
 The info file appears once the cluster answers, holds what an engine needs (a connector config
-vLLM accepts as is, the engine arguments of the alignment rules), and goes away with the cluster
-on SIGTERM, every child stopped. That an engine given this file is served is
+vLLM accepts as is, the engine arguments of the alignment rules), is readable by its owner only
+like the agents' handle files, and goes away with the cluster on SIGTERM, every child stopped. That an engine given this file is served is
 `tests/test_vllm_connector.py`'s subject.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ def test_vllm_is_the_pinned_release() -> None:
 
 
 def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir: Path,
-                                                                      tmp_path: Path) -> None:
+                                                                      tmp_path: Path,
+                                                                      usual_umask: None) -> None:
     info, run_dir = tmp_path / "tier.json", tmp_path / "run"
     events = f"ipc://{tmp_path / 'events.ipc'}"
     up = subprocess.Popen([sys.executable, "-m", "cachetier.cli", "up", "--vllm-model",
@@ -49,8 +51,12 @@ def test_up_writes_the_info_file_when_ready_and_removes_it_on_sigterm(model_dir:
         assert transfer.kv_load_failure_policy == "recompute"
         extra = transfer.kv_connector_extra_config
         assert extra["model_id"] == model_fingerprint(model_dir)
+        # the token by its file, so `vllm serve`'s flags hold none; the files only up's user reads
+        assert Path(extra["token_file"]).read_text().strip() == details["token"]
+        assert stat.S_IMODE(info.stat().st_mode) == 0o600
         for rank in (0, 1):  # each rank's agent has published its pool, where its worker looks
-            assert Path(extra["handle_file"].replace("{rank}", str(rank))).exists()
+            handle = Path(extra["handle_file"].replace("{rank}", str(rank)))
+            assert stat.S_IMODE(handle.stat().st_mode) == 0o600
         assert details["engine_args"]["tensor_parallel_size"] == 2
         assert details["engine_args"]["block_size"] == 1152
         assert details["engine_args"]["prefix_match_unit"] == FINE_HASH_UNIT

@@ -58,6 +58,7 @@ def vllm_cluster(model_dir: Path, run_dir: Path, pool_pages: int,
     with Cluster(settings) as running:
         write_info(running.run_dir / "info.json",
                    connector_info(service=running.service_url, token=running.client_token,
+                                  token_file=running.credential_file("client"),
                                   pool=POOL, handle_file=running.handle_file_pattern,
                                   model_dir=model_dir,
                                   config=settings.config, kv_events_endpoint=kv_events_endpoint))

@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Cluster(settings) as cluster:
             info = workdir / "info.json"
             write_info(info, connector_info(service=cluster.service_url,
-                                            token=cluster.client_token, pool=POOL,
+                                            token=cluster.client_token,
+                                            token_file=cluster.credential_file("client"),
+                                            pool=POOL,
                                             handle_file=cluster.handle_file_pattern,
                                             model_dir=model, config=settings.config))
             tiered = _serve(model, workdir, "tier", rounds, args, info=info,

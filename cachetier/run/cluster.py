@@ -294,7 +294,7 @@ class Cluster:
                 "--handle-file", str(self.handle_file(rank)), *self._node_args()]
         secrets = {"CACHETIER_TOKEN": self.credentials.agent(rank)}
         if self._zygote is not None:  # a fork has the zygote's environment: its token by file
-            args += ["--token-file", str(self.run_dir / "credentials" / f"agent-{rank}")]
+            args += ["--token-file", str(self.credential_file(f"agent-{rank}"))]
             secrets = {}
         self.agents[rank] = self._spawn(name, secrets, args, self._zygote)
         return self.agents[rank]
@@ -350,6 +350,10 @@ class Cluster:
     def client_token(self) -> str:
         """A scheduler's credential (role client), as in `credentials/client`."""
         return self.credentials.role(Role.CLIENT)
+
+    def credential_file(self, name: str) -> Path:
+        """The file of credential `name` (`client`, `agent-0`, ...), readable by its owner only."""
+        return self.run_dir / "credentials" / name
 
     def client(self) -> CacheTierClient:
         return CacheTierClient(self.service_url, token=self.client_token)

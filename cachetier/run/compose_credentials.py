@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cachetier.run.credential_files import ClusterCredentials, write_private
+from cachetier.private_files import write_private
+from cachetier.run.credential_files import ClusterCredentials
 from cachetier.run.mqtt_auth import BrokerAuth
 from cachetier.run.redis_auth import RedisAcl
 

@@ -15,17 +15,9 @@ from pathlib import Path
 
 from cachetier import credentials
 from cachetier.credentials import Principal, Role, issue
+from cachetier.private_files import write_private
 
 REDIS_USERS = ("cachetier", "replica", "operator")  # see `cachetier.run.redis_auth`
-
-
-def write_private(path: Path, text: str) -> Path:
-    """`text` in a file only its owner can read (created so, never widened for a moment)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    return path
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from cachetier.credentials import Principal, Role, mqtt_username, principal_of
 from cachetier.events.cache_events import events_topic
 from cachetier.events.liveness import agent_topic, agents_filter
 from cachetier.events.mqtt import TOPIC_ROOT
-from cachetier.run.credential_files import write_private
+from cachetier.private_files import write_private
 
 _ITERATIONS = 101  # mosquitto_passwd's own default
 _SALT_BYTES = 12

@@ -28,7 +28,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cachetier.run.credential_files import write_private
+from cachetier.private_files import write_private
 
 KEYS = "ct:*"
 # sent by the service (index.execution, placement, store, routing, holder, service.recovery,

@@ -4,7 +4,7 @@ Everything `up` starts listens on loopback, so one certificate (SAN `127.0.0.1` 
 serves the service link, Redis (`tls-port`) and mosquitto; every client verifies it against the
 run's CA (`tls/ca.pem`), which a user gives their own clients the same way
 (`tls://HOST:PORT?ca=PATH`, `rediss://...?ssl_ca_certs=PATH`, `mqtts://HOST:PORT?ca=PATH`).
-Keys are ECDSA P-256, written 0600 (`credential_files.write_private`); the CA's key is not kept.
+Keys are ECDSA P-256, written 0600 (`cachetier.private_files`); the CA's key is not kept.
 Clients authenticate with their credentials, not certificates.
 """
 
@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from cachetier.run.credential_files import write_private
+from cachetier.private_files import write_private
 
 _VALID = datetime.timedelta(days=30)
 
@@ -69,5 +69,5 @@ def generate(directory: Path) -> TlsFiles:
     cert_path.write_bytes(cert.public_bytes(pem))
     key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-    key_path = write_private(directory / "server.key", key_pem.decode())
+    key_path = write_private(directory / "server.key", key_pem)
     return TlsFiles(ca_path, cert_path, key_path)

@@ -49,7 +49,8 @@ def serve_vllm(settings: ClusterSettings, model_dir: Path, info_path: Path) -> i
     model_dir, info_path = model_dir.resolve(), info_path.resolve()
 
     def job(cluster: Cluster) -> None:
-        info = connector_info(service=cluster.service_url, token=cluster.client_token, pool=POOL,
+        info = connector_info(service=cluster.service_url, token=cluster.client_token,
+                              token_file=cluster.credential_file("client"), pool=POOL,
                               handle_file=cluster.handle_file_pattern, model_dir=model_dir,
                               config=settings.config,
                               kv_events_endpoint=settings.kv_events_endpoint)

@@ -2,7 +2,9 @@
 
 `cachetier up --vllm-model` writes these keys into its info file's `kv_transfer_config`, so a user
 passes them unchanged; a missing key or a value of the wrong type is refused at engine start with
-the key's name, never guessed.
+the key's name, never guessed. The token is given as itself (`token`) or by the file holding it
+(`token_file`, what `up` writes): a `vllm serve --kv-transfer-config JSON` command line, which every
+local user reads, then holds a path, not the secret.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from cachetier.engine.checkpoint_placement import PLACEMENTS
@@ -39,6 +42,7 @@ class ConnectorSettings:
                           engine_id: str | None = None) -> ConnectorSettings:
         """`engine_id`: the engine's own id, unless `extra` names one."""
         extra = dict(extra or {})
+        _read_token_file(extra)
         if engine_id is not None:
             extra.setdefault("engine_id", engine_id)
         values: dict[str, Any] = {}
@@ -72,3 +76,19 @@ class ConnectorSettings:
                                            "tensor-parallel engine needs a '{rank}' in it")
             return self.handle_file
         return self.handle_file.replace("{rank}", str(rank))
+
+
+def _read_token_file(extra: dict[str, Any]) -> None:
+    """`extra`'s `token_file` replaced by the `token` it holds, read once, at engine start."""
+    if "token_file" not in extra:
+        return
+    path = extra.pop("token_file")
+    if "token" in extra:
+        raise ConnectorConfigError("kv_connector_extra_config: token or token_file, not both")
+    if not isinstance(path, str):
+        raise ConnectorConfigError(f"kv_connector_extra_config.token_file: expected str, got "
+                                   f"{path!r}")
+    try:
+        extra["token"] = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConnectorConfigError(f"kv_connector_extra_config.token_file: {exc}") from None
