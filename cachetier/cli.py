@@ -489,7 +489,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser, port: int) -> None:
 
 def _add_up_parser(commands: Any) -> None:
     up = commands.add_parser("up", help="run redis, mosquitto, the service and CPU agents here "
-                                        "until Ctrl-C")
+                                        "until Ctrl-C, SIGTERM, SIGHUP or its parent's death")
     up.add_argument("--agents", type=int, default=None, metavar="N",
                     help="CPU agents: the tensor-parallel ranks of pool pool0 (default 2; 1 with "
                          "--vllm-model, where N is the engines' tensor_parallel_size)")

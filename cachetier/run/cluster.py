@@ -5,10 +5,12 @@ on the same directory keeps the metadata) or, with `--redis-cluster MASTERSxREPL
 Redis Cluster (`run.redis_cluster`: a new one per run, its nodes' logs in the run directory),
 mosquitto, `cachetier serve` and one `cachetier agent`
 per tensor-parallel rank of pool `pool0` on the CPU, each only once the previous one answers, and
-stops them in the reverse order (agents first, so the broker never sends Wills of live agents).
-Every child runs in its own session, so a Ctrl-C reaches `up` alone and the order holds, and gets
-SIGTERM if `up` itself dies, so nothing outlives it. All logs and `pids.json` live in the run
-directory. Every credential is generated from the cluster secret into `credentials/` in the run
+stops them in the reverse order (agents first, so the broker never sends Wills of live agents)
+on SIGINT, SIGTERM or SIGHUP, and on its parent's death (`_follow_parent`). Every child runs in
+its own session, so a signal for the terminal's or the caller's process group reaches `up` alone
+and the order holds, and gets SIGTERM if `up` itself dies (SIGKILL included), so nothing outlives
+it. All logs and `pids.json` live in the run directory, and stay. Every credential is generated
+from the cluster secret into `credentials/` in the run
 directory (`run.credential_files`); each child gets its own only (the service the secret, each
 agent its rank's token), through the environment, not its command line. The broker admits those
 principals only, each to its own topics (`run.mqtt_auth`). With `--tls` every link (the service's,
@@ -393,6 +395,11 @@ def _unlink_pool_files(handle_file: Path) -> None:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    """The first stop signal unwinds `up` as a KeyboardInterrupt and ignores the next ones: a
+    second (`timeout` sends SIGTERM to `up` and again to its group; a held Ctrl-C) could
+    otherwise cut the unwinding short before the info file is removed and the stop begins."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -406,10 +413,38 @@ def _signal_handlers(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-# Ctrl-C (even where the shell started `up` with SIGINT ignored: `up &`) and SIGTERM both unwind
-# as a KeyboardInterrupt, through the same orderly stop, which neither can then cut short.
-_INTERRUPTIBLE = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _interrupt}
-_IGNORED = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_IGNORED = {sig: signal.SIG_IGN for sig in _STOP_SIGNALS}
+
+
+def _hangup_ignored() -> bool:
+    """Whether `up` was started under nohup (SIGHUP ignored), which asks it to outlive its
+    terminal and the shell that started it."""
+    return signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+
+
+def _stop_handlers() -> dict[signal.Signals, Any]:
+    """Each stop signal unwinds `up` through the same orderly stop: Ctrl-C even where the shell
+    started `up` with SIGINT ignored (`up &`), SIGHUP (its terminal closed) unless under nohup."""
+    return {sig: _interrupt for sig in _STOP_SIGNALS
+            if sig is not signal.SIGHUP or not _hangup_ignored()}
+
+
+def _follow_parent() -> None:
+    """SIGTERM for `up` when the process that started it dies (Linux): a harness or a shell
+    killed outright then takes the cluster down in order, the info file removed, instead of
+    leaving it running unattended. Not under nohup. The kernel sends it when the *thread* that
+    started `up` ends: start `up` from a thread that lives as long as it should."""
+    set_parent_death_signal = parent_death_hook()
+    if set_parent_death_signal is None or _hangup_ignored():
+        return
+    set_parent_death_signal()
+    if os.getppid() != _STARTED_BY:  # it died before the signal was set (imports, settings)
+        raise KeyboardInterrupt
+
+
+# `up`'s parent as early as this process knows it, for `_follow_parent` to see if it is gone
+_STARTED_BY = os.getppid()
 
 
 def up(settings: ClusterSettings, job: Callable[[Cluster], None] | None = None) -> int:
@@ -417,13 +452,9 @@ def up(settings: ClusterSettings, job: Callable[[Cluster], None] | None = None) 
     anything failed. Status lines go to stderr; stdout is the job's."""
     say(f"run directory {settings.run_dir} (logs: *.log, pids.json)")
     try:
-        with _signal_handlers(_INTERRUPTIBLE), Cluster(settings) as cluster:
-            say(f"up: {cluster.describe()}")
-            if job is not None:
-                job(cluster)
-            else:
-                say("ready; Ctrl-C to stop")
-                _watch(cluster)
+        with _signal_handlers(_stop_handlers()):
+            _follow_parent()
+            _run(settings, job)
     except KeyboardInterrupt:
         say("interrupted")
     except (ClusterError, CacheTierError, RuntimeError, OSError) as exc:  # all stopped by now
@@ -431,6 +462,17 @@ def up(settings: ClusterSettings, job: Callable[[Cluster], None] | None = None) 
         return 1
     say("stopped")
     return 0
+
+
+def _run(settings: ClusterSettings, job: Callable[[Cluster], None] | None) -> None:
+    """The cluster until `job` is done or, without one, until interrupted; stopped either way."""
+    with Cluster(settings) as cluster:
+        say(f"up: {cluster.describe()}")
+        if job is not None:
+            job(cluster)
+        else:
+            say("ready; Ctrl-C to stop")
+            _watch(cluster)
 
 
 def _watch(cluster: Cluster) -> None:

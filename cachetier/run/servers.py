@@ -55,9 +55,12 @@ def free_port() -> int:
 
 
 def parent_death_hook() -> Any:
-    """A preexec_fn that makes the child receive SIGTERM when its parent dies (Linux only).
+    """A function that makes the process calling it receive SIGTERM when its parent dies (Linux
+    only): a child's preexec_fn, or `cachetier up` for itself (`run.cluster._follow_parent`).
 
-    `prctl` is looked up here, before the fork, so the child runs no dynamic loading.
+    SIGTERM, not SIGKILL: an orphan stops as its parent would have stopped it (an agent unlinks its
+    pool's shared memory, redis-server syncs its append-only file). `prctl` is looked up here,
+    before the fork, so the child runs no dynamic loading.
     """
     if not sys.platform.startswith("linux"):
         return None

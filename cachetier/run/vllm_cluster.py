@@ -2,7 +2,8 @@
 
 The cluster is `cachetier up`'s (redis, mosquitto, the service, one CPU agent for the pool); once
 every part answers, the info file (`cachetier.vllm.info`) tells engines how to use it. It runs
-until SIGINT or SIGTERM, then removes the info file and stops everything in order.
+until `up` is stopped (SIGINT, SIGTERM, SIGHUP, its parent's death), then removes the info file
+and stops everything in order.
 """
 
 from __future__ import annotations
