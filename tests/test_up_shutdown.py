@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cluster import children, running
+from tests.up_harness import children, running
 
 UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0", "--agents", "1"]
 READY_S = 120  # `up --vllm-model` imports vLLM: ~35 s on an idle 2-core host
