@@ -394,9 +394,22 @@ def _up(args: argparse.Namespace, rest: Sequence[str]) -> int:
         if args.kv_events_endpoint is not None:
             raise ConfigError("--kv-events-endpoint", "publishes for vLLM engines: give "
                                                       "--vllm-model too")
-        return up(_cluster_settings(args, 2 if args.agents is None else args.agents))
+        settings = _cluster_settings(args, 2 if args.agents is None else args.agents)
+        return up(dataclasses.replace(settings, tenants=_tenants(args.tenants)))
     from cachetier.run.vllm_cluster import serve_vllm
-    return serve_vllm(_vllm_cluster_settings(args), args.vllm_model, args.info)
+    settings = dataclasses.replace(_vllm_cluster_settings(args), tenants=_tenants(args.tenants))
+    return serve_vllm(settings, args.vllm_model, args.info)
+
+
+def _tenants(listed: str | None) -> tuple[str, ...]:
+    """`--tenants a,b`: the tenants a client credential is written for."""
+    from cachetier.credentials import TENANT_NAME
+    names = tuple(name for name in (listed or "").split(",") if name)
+    bad = [name for name in names if not TENANT_NAME.match(name)]
+    if bad or len(set(names)) != len(names):
+        raise ConfigError("--tenants", f"distinct names like {TENANT_NAME.pattern}, "
+                                       f"got {bad or names}")
+    return names
 
 
 def _vllm_cluster_settings(args: argparse.Namespace) -> ClusterSettings:
@@ -439,7 +452,8 @@ def _chaos(args: argparse.Namespace, rest: Sequence[str]) -> int:
                            storm_messages=args.storm_messages, copy_timeout_s=args.copy_timeout,
                            seed=args.seed, json=args.json)
     settings = dataclasses.replace(_cluster_settings(args, args.agents), agent_zygote=True,
-                                   serve_args=("--copy-timeout", str(args.copy_timeout)))
+                                   serve_args=("--copy-timeout", str(args.copy_timeout),
+                                               "--request-lease", str(options.lease_s)))
     return up(settings, lambda cluster: run_chaos(cluster, options))
 
 
@@ -503,6 +517,10 @@ def _add_up_parser(commands: Any) -> None:
                     help="with --vllm-model: the hash unit (vLLM's prefix_match_unit; default "
                          "128, which serves prompt tails; any divisor of vLLM's attention block, "
                          "e.g. the block itself)")
+    up.add_argument("--tenants", metavar="A,B",
+                    help="also write a client credential for each tenant "
+                         "(credentials/client-<tenant>): each tenant's schedulers reach only "
+                         "its own cache entries")
     up.add_argument("--redis-cluster", nargs="?", const="3x2", metavar="MASTERSxREPLICAS",
                     help="a local Redis Cluster instead of one redis-server (default 3x2: three "
                          "shards of a master and two replicas; a new cluster per run)")

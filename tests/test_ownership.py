@@ -9,10 +9,13 @@ passing through the same user-supplied id did the same without malice.
 
 from __future__ import annotations
 
+import stat
+
 import pytest
 
 from cachetier.client import CacheTierClient
-from cachetier.credentials import Principal, Role, issue
+from cachetier.credentials import Principal, Role, issue, verify
+from cachetier.run.credential_files import ClusterCredentials
 from cachetier.errors import ErrorCode, RemoteError
 from cachetier.service.ownership import Owner
 from index.lifecycle import RequestLifecycle
@@ -178,3 +181,12 @@ def test_a_tenant_names_a_client_only():
             Principal.parse(bad)
     with pytest.raises(ValueError):
         Principal(Role.ADMIN, tenant="a")
+
+
+def test_up_writes_a_client_credential_per_tenant(tmp_path):
+    directory = ClusterCredentials(SECRET, "p", 1, ("a", "team-2")).write(tmp_path)
+    for tenant in ("a", "team-2"):
+        path = directory / f"client-{tenant}"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert verify(SECRET, path.read_text().strip()) == Principal(Role.CLIENT, tenant=tenant)
+    assert verify(SECRET, (directory / "client").read_text().strip()) == Principal(Role.CLIENT)

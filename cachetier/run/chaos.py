@@ -14,7 +14,11 @@ N faults, the kinds in turn:
   must catch);
 - `broker_restart`: mosquitto stopped (SIGTERM and SIGKILL in turn) and started again;
 - `liveness_storm`: forged agent statuses published on the agents' topics (offline for real
-  ranks under made-up agent ids, made-up ranks online and offline, junk).
+  ranks under made-up agent ids, made-up ranks online and offline, junk);
+- `lease_expiry`: a scheduler plans a request and stalls past its lease (the campaign's service
+  runs with a short one, `lease_s`) while the load goes on; the reaper releases the request,
+  the load's steps take its pages, and the stalled pass then writes late: it must be refused
+  (`gpu_pool.claims`) wherever its pages were handed on, and no hit may read its bytes.
 
 After each fault the campaign waits until every rank is registered again and a step has been
 served (`restart_s`: the time from the fault, or from SIGCONT, to that step), and every
@@ -45,14 +49,16 @@ from cachetier.engine.sessions import SessionSpec, make_sessions
 from cachetier.errors import CacheTierError
 from cachetier.events.liveness import AgentStatus, agent_topic
 from cachetier.events.mqtt import BrokerAddress
-from cachetier.run.chaos_load import LoadShape, Tally, Workers, client_loop, make_docs
+from cachetier.run.chaos_load import (LoadShape, Tally, Workers, client_loop, late_write,
+                                      make_docs)
 from cachetier.run.cluster import POOL, Cluster
 from cachetier.run.progress import ProgressBar
 from index.snapshot import read_pool, sanity_check
 from index.store import pool_keys
 from tinymodel import TinyHybrid
 
-KINDS = ("agent_sigkill", "agent_sigstop", "redis_restart", "broker_restart", "liveness_storm")
+KINDS = ("agent_sigkill", "agent_sigstop", "redis_restart", "broker_restart", "liveness_storm",
+         "lease_expiry")
 _SERVING_TIMEOUT_S = 30.0
 _IN_FLIGHT_WAIT_S = 2.0
 _POLL_S = 0.01
@@ -65,6 +71,7 @@ class ChaosOptions:
     model_every: int = 10  # faults between two runs of the tiny model against its recompute
     storm_messages: int = 100
     copy_timeout_s: float = 1.0  # the service's, so a frozen agent is given up quickly
+    lease_s: float = 2.0  # the service's request lease, so a stalled scheduler is reaped soon
     seed: int = 0
     json: bool = False
 
@@ -93,6 +100,8 @@ class ChaosReport:
     storm_published: int = 0
     storm_refused: int = 0  # storms the broker would not take (a connection refused)
     storm_epoch_bumps: int = 0  # invalidations the forged statuses caused
+    late_writes_refused: int = 0  # passes that outlived their lease, refused on handed-on pages
+    late_writes_landed: int = 0  # such passes whose pages nobody was handed yet (harmless)
     epochs: int = 0  # the pool's epochs, first to last
     sanity: str = "ok"  # index.snapshot.sanity_check of the pool at the end
     problems: list[str] = field(default_factory=list)
@@ -118,6 +127,7 @@ class Campaign:
         self.workers = Workers([cluster.handle_file(r) for r in range(self.ranks)])
         self.restarts: list[float] = []
         self.storms = 0
+        self.late_writers = 0
         self.model = TinyHybrid(self.config.model)
         cache = self.config.cache
         self.shape = LoadShape(POOL, cache.hash_block_tokens, cache.page_tokens,
@@ -173,8 +183,10 @@ class Campaign:
             since = time.monotonic()
             await asyncio.to_thread(self.cluster.mqtt.restart, sig)
             await self._until_serving(tier, since)
-        else:
+        elif kind == "liveness_storm":
             await self._storm(tier)
+        else:
+            await self._late_writer(tier)
 
     async def _agent_sigkill(self, tier: CacheTierClient) -> None:
         rank = self.rng.randrange(self.ranks)
@@ -206,6 +218,21 @@ class Campaign:
         finally:
             node.proc.send_signal(signal.SIGCONT)
         self.restarts.append(await self._until_serving(tier, time.monotonic()))
+
+    async def _late_writer(self, tier: CacheTierClient) -> None:
+        """A scheduler stalled past its lease (see the module docstring); a fault whose plan
+        was refused (the pool full) or that the pool moved past (a new epoch) counts nothing."""
+        since = time.monotonic()
+        self.late_writers += 1
+        tokens = self.rng.choice(self.shape.docs)[:3 * self.shape.block] + [self.late_writers]
+        outcome = await late_write(tier, self.workers, self.shape,
+                                   f"chaos-late-{self.late_writers}", tokens,
+                                   self.options.lease_s + 1.5)
+        if outcome == "refused":
+            self.report.late_writes_refused += 1
+        elif outcome == "landed":
+            self.report.late_writes_landed += 1
+        await self._until_serving(tier, since)
 
     async def _epoch(self, tier: CacheTierClient) -> int:
         try:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cachetier.client import CacheTierClient
-from cachetier.errors import CacheTierError
+from cachetier.errors import CacheTierError, StaleOrder
 from gpu_pool.pool import PagedPool
 from index.hashing import chain_hashes, namespace_root
 from index.records import CommitItem, RequestPlan, StepPlan, StepRefusal, StepRequest
@@ -208,6 +208,33 @@ async def one_request(tier: CacheTierClient, workers: Workers, shape: LoadShape,
         except TimeoutError:
             tally.non_retryable += 1
             tally.problem(f"release of {rid} did not succeed within {_RELEASE_TIMEOUT_S:g} s")
+
+
+async def late_write(tier: CacheTierClient, workers: Workers, shape: LoadShape, rid: str,
+                     tokens: list[int], stall_s: float) -> str:
+    """Plan `rid`, stall `stall_s` (past its lease: the reaper releases it and the load's steps
+    may take its pages), then run its pass: "refused" (`StaleOrder`: some page was handed on),
+    "landed" (none was: nobody reads those bytes as valid) or "skipped" (not planned, or the
+    pool moved to another epoch meanwhile, which refuses it for that reason)."""
+    request = StepRequest(rid, len(tokens), len(tokens), chain_hashes(tokens, ROOT, shape.block),
+                          True)
+    try:
+        plan = await tier.plan(shape.pool, [request])
+    except CacheTierError:
+        return "skipped"
+    if not isinstance(plan, StepPlan):
+        return "skipped"
+    await asyncio.sleep(stall_s)
+    views = await workers.views(plan.epoch)
+    (step,) = plan.requests
+    try:
+        forward(views, plan, step, tokens, shape.page_tokens, 0)
+    except StaleOrder:
+        moved = any(view.fence.epoch() != plan.epoch for view in views)
+        return "skipped" if moved else "refused"
+    finally:
+        await tier.release(shape.pool, [rid])  # reaped already, unless the reaper was late
+    return "landed"
 
 
 async def release_for_sure(tier: CacheTierClient, pool: str, rid: str,

@@ -80,6 +80,7 @@ class ClusterSettings:
     metrics_port: int | None = None  # the service's Prometheus metrics (0: any port; None: off)
     serve_args: tuple[str, ...] = ()  # more `serve` flags (e.g. a shorter --copy-timeout)
     agent_zygote: bool = False  # agents forked from a warm process (restarts in milliseconds)
+    tenants: tuple[str, ...] = ()  # a client credential each, `credentials/client-<tenant>`
 
 
 @dataclass(kw_only=True)
@@ -182,7 +183,8 @@ class Cluster:
         self.settings = settings
         self.run_dir = settings.run_dir
         maxmemory = index_maxmemory([settings.config])
-        self.credentials = ClusterCredentials(settings.secret, POOL, settings.agents)
+        self.credentials = ClusterCredentials(settings.secret, POOL, settings.agents,
+                                              settings.tenants)
         password = self.credentials.redis_password
         acl = RedisAcl(password("cachetier"), password("replica"), password("operator"))
         self.tls = tls.generate(self.run_dir / "tls") if settings.tls else None

@@ -22,11 +22,13 @@ REDIS_USERS = ("cachetier", "replica", "operator")  # see `cachetier.run.redis_a
 
 @dataclass(frozen=True)
 class ClusterCredentials:
-    """The tokens of one local cluster: its roles and the agents of `pool`'s `ranks`."""
+    """The tokens of one local cluster: its roles, the agents of `pool`'s `ranks` and a client
+    of each tenant (`client/<tenant>`: a cache of its own, `cachetier.service.ownership`)."""
 
     secret: str
     pool: str
     ranks: int
+    tenants: tuple[str, ...] = ()
 
     def token(self, principal: Principal) -> str:
         return issue(self.secret, principal)
@@ -54,6 +56,8 @@ class ClusterCredentials:
         os.chmod(directory, 0o700)
         files = {str(role): self.role(role) for role in Role if role is not Role.AGENT}
         files |= {f"agent-{rank}": self.agent(rank) for rank in range(self.ranks)}
+        files |= {f"client-{tenant}": self.token(Principal(Role.CLIENT, tenant=tenant))
+                  for tenant in self.tenants}
         files |= {f"redis-{user}": self.redis_password(user) for user in REDIS_USERS}
         for name, token in files.items():
             write_private(directory / name, token + "\n")
