@@ -61,6 +61,10 @@ async def running_agent(*urls: str, pool: str = "p", **overrides: Any) -> AsyncI
         await asyncio.gather(task, return_exceptions=True)
 
 
+SERVICE_LOGIN = {"username": "cachetier", "password": REDIS_ACL.service}
+OPERATOR_LOGIN = {"username": "operator", "password": REDIS_ACL.operator}
+
+
 def as_service_user(url: str) -> str:
     """`url` (redis://HOST:PORT or unix:///PATH) logged in as the service's ACL user, the way
     `cachetier up`'s service logs in: what the service and the index run as in the tests."""

@@ -57,8 +57,9 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[LocalRedisCluster]:
     """A Redis Cluster of 3 masters with a replica each, shared by the tests that leave its
-    topology as they found it (failover tests start their own)."""
-    with LocalRedisCluster(ClusterShape(3, 1)) as cluster:
+    topology as they found it (failover tests start their own), with the production ACL: log in
+    with `SERVICE_LOGIN` or `OPERATOR_LOGIN`."""
+    with LocalRedisCluster(ClusterShape(3, 1), acl=REDIS_ACL) as cluster:
         yield cluster
 
 

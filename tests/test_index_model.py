@@ -37,6 +37,7 @@ from index.reference import ReferenceIndex
 from index.snapshot import read_pool, recount, sanity_check
 from index.store import STAGE_BYTES, PrefixIndex
 from index.tickets import NONCE_BITS
+from tests.cluster_harness import OPERATOR_LOGIN, SERVICE_LOGIN
 from tests.index_harness import ROOT, Driver, new_request, small_config
 
 
@@ -399,9 +400,12 @@ def test_scripts_match_reference_on_a_redis_cluster(redis_cluster) -> None:
     step's new hashes staged. WAIT answers as soon as the replica has the write: the long
     timeout only spares the machine a replica lagging past the default 100 ms on a loaded
     2-core host, which no rule expects (it failed a run so)."""
-    target = RedisTarget.cluster(redis_cluster.startup_nodes, max_connections=4)
+    nodes = redis_cluster.startup_nodes
+    target = RedisTarget.cluster(nodes, max_connections=4, **SERVICE_LOGIN)
     machine = type("Machine", (IndexMachine,), {"config": small_config(num_pages=64),
                                                 "target": target,
+                                                "operator_target": RedisTarget.cluster(
+                                                    nodes, **OPERATOR_LOGIN),
                                                 "acks": ReplicaAcks(timeout_ms=2000),
                                                 "stage_bytes": 0})
     run_state_machine_as_test(machine, settings=settings(

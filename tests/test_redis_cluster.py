@@ -47,8 +47,8 @@ from index.routing import probe_pools
 from index.placement import ShardPlacement, tag_slot
 from index.store import PrefixIndex, pool_keys
 from index.tickets import split
-from tests.cluster_harness import (BLOCK, PAGE, TINY, TOKEN, assert_no_pins, running_agent,
-                                   running_service)
+from tests.cluster_harness import (BLOCK, OPERATOR_LOGIN, PAGE, SERVICE_LOGIN, TINY, TOKEN,
+                                   assert_no_pins, running_agent, running_service)
 from tests.index_harness import ROOT, commit_item, new_request, only
 from tests.storage_harness import Worker
 
@@ -72,7 +72,8 @@ def masters(cluster: LocalRedisCluster) -> list[int]:
 
 async def placed_tag(cluster: LocalRedisCluster, pool: str) -> str:
     """The hash tag the service's placement chose for `pool`."""
-    redis = connect(RedisTarget.cluster(cluster.live_nodes()[0].address))
+    node = cluster.live_nodes()[0]
+    redis = connect(RedisTarget.cluster(node.address, **node.operator_login))
     try:
         tag = await ShardPlacement(redis).resolve(pool, create=False)
     finally:
@@ -89,7 +90,7 @@ async def assert_clean(cluster: LocalRedisCluster, pool: str) -> None:
     """No request, ticket or pin left in `pool`, read on the master serving it now."""
     tag = await placed_tag(cluster, pool)
     master = cluster.master_of_slot(tag_slot(tag))
-    redis = connect(RedisTarget(f"redis://{master.address}"))
+    redis = connect(RedisTarget(f"redis://{master.address}", **master.operator_login))
     try:
         await assert_no_pins(redis, pool, tag)
     finally:
@@ -106,7 +107,7 @@ def own_cluster() -> Iterator[LocalRedisCluster]:
 @pytest.fixture
 async def cluster_client(redis_cluster: LocalRedisCluster) -> AsyncIterator[BoundedCluster]:
     """A client of the shared cluster, emptied first (pools and placements of other tests)."""
-    client = connect(RedisTarget.cluster(redis_cluster.startup_nodes))
+    client = connect(RedisTarget.cluster(redis_cluster.startup_nodes, **OPERATOR_LOGIN))
     assert isinstance(client, BoundedCluster)
     await client.flushall()
     try:
@@ -128,7 +129,9 @@ async def test_one_service_spreads_pools_evenly_and_serves_them_on_every_shard(r
     """Six pools whose ids CRC16 would all put on one master are placed two per master, and
     each is served there through the same service."""
     pools = pools_by_crc(redis_cluster, masters(redis_cluster)[0], 6)
-    async with running_service("", redis_cluster=redis_cluster.startup_nodes) as service:
+    async with running_service("", redis_cluster=redis_cluster.startup_nodes,
+                               redis_user="cachetier",
+                               redis_password=SERVICE_LOGIN["password"]) as service:
         agents = [running_agent(service.url, pool=pool) for pool in pools]
         for agent in agents:
             await agent.__aenter__()

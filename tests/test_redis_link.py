@@ -10,6 +10,7 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 from redis.exceptions import DataError
 
 from index.redis_link import BoundedCluster, RedisTarget, close, connect, hiredis_packing
+from tests.cluster_harness import OPERATOR_LOGIN
 
 ARGUMENT = st.one_of(st.text(), st.binary(max_size=9000),
                      st.integers(min_value=-2**70, max_value=2**70),
@@ -59,7 +60,7 @@ async def test_a_server_client_sends_through_hiredis_packing_connections(
 
 
 async def test_a_cluster_client_sends_through_hiredis_packing_connections(redis_cluster) -> None:
-    client = connect(RedisTarget.cluster(redis_cluster.startup_nodes))
+    client = connect(RedisTarget.cluster(redis_cluster.startup_nodes, **OPERATOR_LOGIN))
     assert isinstance(client, BoundedCluster)
     try:
         for n in range(12):  # keys on every shard
