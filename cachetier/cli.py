@@ -34,7 +34,7 @@ from cachetier.event_loops import DEFAULT_LOOP, LOOPS, run_on
 from cachetier.wire.framing import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
-    from cachetier.events.vllm_bridge import VllmEventBridge
+    from cachetier.events.vllm_bridge import BridgeSettings, VllmEventBridge
     from cachetier.run.cluster import ClusterSettings
     from cachetier.service.limits import ServiceLimits
 
@@ -477,7 +477,8 @@ def _add_up_parser(commands: Any) -> None:
     up.add_argument("--kv-events-endpoint", metavar="URL",
                     help="with --vllm-model: also publish the pool's cache events as vLLM KV "
                          "events on this ZeroMQ endpoint, as `events vllm` does (tcp://*:5557 "
-                         "binds; a concrete address connects to a router that binds)")
+                         "binds on 127.0.0.1; a concrete address connects to a router that "
+                         "binds)")
     _add_cluster_arguments(up, 7400)
     up.set_defaults(handler=_up)
 
@@ -601,13 +602,28 @@ def _add_trace_parser(commands: Any) -> None:
 
 def _events_vllm(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.events.vllm_bridge import run_bridge
+    return _run_until_signal(run_bridge(_bridge_settings(args), ready=_announce_bridge),
+                             args.log_level)
+
+
+def _bridge_settings(args: argparse.Namespace) -> BridgeSettings:
+    """The replay socket's CURVE keys derive from the bridge's credential, so a replay endpoint
+    needs one: without it the socket would answer anyone."""
+    from cachetier.events.replay_keys import ReplayKeys
+    from cachetier.events.vllm_bridge import BridgeSettings
     from cachetier.events.vllm_events import VllmEventMapping
     from cachetier.run.nodes import logged_in
     mapping = VllmEventMapping.for_model(config_from_args(args).model)
     token = _secret(args, "token", "CACHETIER_TOKEN", required=False)
-    mqtt = logged_in(args.mqtt, token) if token else args.mqtt
-    return _run_until_signal(run_bridge(mqtt, args.pool, args.endpoint, args.replay_endpoint,
-                                        mapping=mapping, ready=_announce_bridge), args.log_level)
+    if args.replay_endpoint and not token:
+        raise ConfigError("--replay-endpoint", "answers only peers holding the bridge's "
+                          "credential: give --token-file or set CACHETIER_TOKEN")
+    if args.replay_rate < 1:
+        raise ConfigError("--replay-rate", "must be >= 1")
+    return BridgeSettings(logged_in(args.mqtt, token) if token else args.mqtt, args.endpoint,
+                          args.replay_endpoint, args.pool, mapping, bind_host=args.bind_host,
+                          replay_keys=ReplayKeys.of(token) if args.replay_endpoint else None,
+                          replay_rate=args.replay_rate)
 
 
 def _announce_bridge(bridge: VllmEventBridge) -> None:
@@ -628,12 +644,21 @@ def _add_events_parser(commands: Any) -> None:
     vllm.add_argument("--pool", default="+", help="the pool to follow (default: every pool, in "
                                                   "one stream)")
     vllm.add_argument("--endpoint", required=True, metavar="URL",
-                      help="vLLM's PUB endpoint: tcp://*:PORT binds, tcp://HOST:PORT connects to "
-                           "a subscriber that binds")
+                      help="vLLM's PUB endpoint: tcp://*:PORT binds (on --bind-host), "
+                           "tcp://HOST:PORT connects to a subscriber that binds")
     vllm.add_argument("--replay-endpoint", metavar="URL",
-                      help="where vLLM's ROUTER socket binds for replay requests")
-    _add_secret_arguments(vllm, "token", "an observer's credential, the broker's login (none: "
-                          "anonymous)", "CACHETIER_TOKEN")
+                      help="where vLLM's ROUTER socket binds for replay requests (tcp://*:PORT "
+                           "on --bind-host); it answers CURVE peers holding the bridge's "
+                           "credential only (cachetier.events.replay_keys), so it needs --token")
+    vllm.add_argument("--bind-host", default="127.0.0.1", metavar="HOST",
+                      help="the address a tcp://*:PORT endpoint binds (default 127.0.0.1; '*': "
+                           "every address)")
+    vllm.add_argument("--replay-rate", type=int, default=1000, metavar="N",
+                      help="at most N replayed batches a second, all requests together (default "
+                           "1000)")
+    _add_secret_arguments(vllm, "token", "an observer's credential, the broker's login and what "
+                          "replay peers prove they hold (none: anonymous, no replay)",
+                          "CACHETIER_TOKEN")
     vllm.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     add_config_arguments(vllm)  # the model: which vLLM spec kind the full-attention group is
     vllm.set_defaults(handler=_events_vllm)
