@@ -36,6 +36,7 @@ from cachetier.wire.framing import DEFAULT_MAX_FRAME
 if TYPE_CHECKING:
     from cachetier.events.vllm_bridge import BridgeSettings, VllmEventBridge
     from cachetier.run.cluster import ClusterSettings
+    from cachetier.run.nodes import MetricsListen
     from cachetier.service.limits import ServiceLimits
 
 BENCHES = ("cluster", "lookup", "restore", "service", "transfer", "vllm")
@@ -147,14 +148,22 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         if args.request_lease < 0:
             raise ConfigError("--request-lease", "must be >= 0")
         settings = dataclasses.replace(settings, request_lease_s=args.request_lease or None)
-    metrics = None
-    if args.metrics_port is not None:
-        if not 0 <= args.metrics_port < 65536:
-            raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
-        from cachetier.run.nodes import MetricsListen
-        metrics = MetricsListen(args.metrics_host, args.metrics_port, _announce_metrics)
-    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt, metrics),
-                             args.log_level, args.loop)
+    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt,
+                                         _metrics_listen(args)), args.log_level, args.loop)
+
+
+def _metrics_listen(args: argparse.Namespace) -> MetricsListen | None:
+    """The token comes from a file or the environment only: a flag's value is readable by every
+    local user."""
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port < 65536:
+        raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
+    from cachetier.run.nodes import MetricsListen
+    token = _secret(args, "metrics_token", "CACHETIER_METRICS_TOKEN", required=False)
+    if args.metrics_token_file and not token:
+        raise ConfigError("--metrics-token-file", "is empty: it would guard nothing")
+    return MetricsListen(args.metrics_host, args.metrics_port, _announce_metrics, token or None)
 
 
 def _announce_listening(url: str) -> None:
@@ -293,6 +302,9 @@ def _add_serve_parser(commands: Any) -> None:
                             "port; default: no metrics)")
     serve.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                        help="the address the metrics listen on (default 127.0.0.1)")
+    serve.add_argument("--metrics-token-file", type=Path, metavar="PATH",
+                       help="a file holding the bearer token every scrape must carry (default: "
+                            "$CACHETIER_METRICS_TOKEN; neither: scrapes need none)")
     serve.add_argument("--batch-tick", type=float, metavar="SECONDS",
                        help="how long a pool's plans gather into one step while one of its "
                        "steps is in flight (0: every plan on its own; default 0.001)")
