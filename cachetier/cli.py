@@ -35,8 +35,9 @@ from cachetier.event_loops import DEFAULT_LOOP, LOOPS, run_on
 from cachetier.wire.framing import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
-    from cachetier.events.vllm_bridge import VllmEventBridge
+    from cachetier.events.vllm_bridge import BridgeSettings, VllmEventBridge
     from cachetier.run.cluster import ClusterSettings
+    from cachetier.run.nodes import MetricsListen
     from cachetier.service.limits import ServiceLimits
 
 BENCHES = ("cluster", "lookup", "restore", "service", "transfer", "vllm")
@@ -148,14 +149,22 @@ def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
         if args.request_lease < 0:
             raise ConfigError("--request-lease", "must be >= 0")
         settings = dataclasses.replace(settings, request_lease_s=args.request_lease or None)
-    metrics = None
-    if args.metrics_port is not None:
-        if not 0 <= args.metrics_port < 65536:
-            raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
-        from cachetier.run.nodes import MetricsListen
-        metrics = MetricsListen(args.metrics_host, args.metrics_port, _announce_metrics)
-    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt, metrics),
-                             args.log_level, args.loop)
+    return _run_until_signal(run_service(settings, _announce_listening, args.mqtt,
+                                         _metrics_listen(args)), args.log_level, args.loop)
+
+
+def _metrics_listen(args: argparse.Namespace) -> MetricsListen | None:
+    """The token comes from a file or the environment only: a flag's value is readable by every
+    local user."""
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port < 65536:
+        raise ConfigError("--metrics-port", "must be a TCP port (0: any free port)")
+    from cachetier.run.nodes import MetricsListen
+    token = _secret(args, "metrics_token", "CACHETIER_METRICS_TOKEN", required=False)
+    if args.metrics_token_file and not token:
+        raise ConfigError("--metrics-token-file", "is empty: it would guard nothing")
+    return MetricsListen(args.metrics_host, args.metrics_port, _announce_metrics, token or None)
 
 
 def _announce_listening(url: str) -> None:
@@ -316,6 +325,9 @@ def _add_serve_parser(commands: Any) -> None:
                             "port; default: no metrics)")
     serve.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                        help="the address the metrics listen on (default 127.0.0.1)")
+    serve.add_argument("--metrics-token-file", type=Path, metavar="PATH",
+                       help="a file holding the bearer token every scrape must carry (default: "
+                            "$CACHETIER_METRICS_TOKEN; neither: scrapes need none)")
     serve.add_argument("--batch-tick", type=float, metavar="SECONDS",
                        help="how long a pool's plans gather into one step while one of its "
                        "steps is in flight (0: every plan on its own; default 0.001)")
@@ -529,7 +541,8 @@ def _add_up_parser(commands: Any) -> None:
     up.add_argument("--kv-events-endpoint", metavar="URL",
                     help="with --vllm-model: also publish the pool's cache events as vLLM KV "
                          "events on this ZeroMQ endpoint, as `events vllm` does (tcp://*:5557 "
-                         "binds; a concrete address connects to a router that binds)")
+                         "binds on 127.0.0.1; a concrete address connects to a router that "
+                         "binds)")
     _add_cluster_arguments(up, 7400)
     up.set_defaults(handler=_up)
 
@@ -653,13 +666,28 @@ def _add_trace_parser(commands: Any) -> None:
 
 def _events_vllm(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from cachetier.events.vllm_bridge import run_bridge
+    return _run_until_signal(run_bridge(_bridge_settings(args), ready=_announce_bridge),
+                             args.log_level)
+
+
+def _bridge_settings(args: argparse.Namespace) -> BridgeSettings:
+    """The replay socket's CURVE keys derive from the bridge's credential, so a replay endpoint
+    needs one: without it the socket would answer anyone."""
+    from cachetier.events.replay_keys import ReplayKeys
+    from cachetier.events.vllm_bridge import BridgeSettings
     from cachetier.events.vllm_events import VllmEventMapping
     from cachetier.run.nodes import logged_in
     mapping = VllmEventMapping.for_model(config_from_args(args).model)
     token = _secret(args, "token", "CACHETIER_TOKEN", required=False)
-    mqtt = logged_in(args.mqtt, token) if token else args.mqtt
-    return _run_until_signal(run_bridge(mqtt, args.pool, args.endpoint, args.replay_endpoint,
-                                        mapping=mapping, ready=_announce_bridge), args.log_level)
+    if args.replay_endpoint and not token:
+        raise ConfigError("--replay-endpoint", "answers only peers holding the bridge's "
+                          "credential: give --token-file or set CACHETIER_TOKEN")
+    if args.replay_rate < 1:
+        raise ConfigError("--replay-rate", "must be >= 1")
+    return BridgeSettings(logged_in(args.mqtt, token) if token else args.mqtt, args.endpoint,
+                          args.replay_endpoint, args.pool, mapping, bind_host=args.bind_host,
+                          replay_keys=ReplayKeys.of(token) if args.replay_endpoint else None,
+                          replay_rate=args.replay_rate)
 
 
 def _announce_bridge(bridge: VllmEventBridge) -> None:
@@ -680,12 +708,21 @@ def _add_events_parser(commands: Any) -> None:
     vllm.add_argument("--pool", default="+", help="the pool to follow (default: every pool, in "
                                                   "one stream)")
     vllm.add_argument("--endpoint", required=True, metavar="URL",
-                      help="vLLM's PUB endpoint: tcp://*:PORT binds, tcp://HOST:PORT connects to "
-                           "a subscriber that binds")
+                      help="vLLM's PUB endpoint: tcp://*:PORT binds (on --bind-host), "
+                           "tcp://HOST:PORT connects to a subscriber that binds")
     vllm.add_argument("--replay-endpoint", metavar="URL",
-                      help="where vLLM's ROUTER socket binds for replay requests")
-    _add_secret_arguments(vllm, "token", "an observer's credential, the broker's login (none: "
-                          "anonymous)", "CACHETIER_TOKEN")
+                      help="where vLLM's ROUTER socket binds for replay requests (tcp://*:PORT "
+                           "on --bind-host); it answers CURVE peers holding the bridge's "
+                           "credential only (cachetier.events.replay_keys), so it needs --token")
+    vllm.add_argument("--bind-host", default="127.0.0.1", metavar="HOST",
+                      help="the address a tcp://*:PORT endpoint binds (default 127.0.0.1; '*': "
+                           "every address)")
+    vllm.add_argument("--replay-rate", type=int, default=1000, metavar="N",
+                      help="at most N replayed batches a second, all requests together (default "
+                           "1000)")
+    _add_secret_arguments(vllm, "token", "an observer's credential, the broker's login and what "
+                          "replay peers prove they hold (none: anonymous, no replay)",
+                          "CACHETIER_TOKEN")
     vllm.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     add_config_arguments(vllm)  # the model: which vLLM spec kind the full-attention group is
     vllm.set_defaults(handler=_events_vllm)

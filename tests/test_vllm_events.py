@@ -1,6 +1,7 @@
 """cachetier's cache events as vLLM KV events: the mapping on its own, then the bridge between a
 real mosquitto (the service publishing its commits) and real ZeroMQ sockets, decoded with vLLM's
-own decoder the way vLLM's example subscriber does (`msgspec.msgpack.Decoder(KVEventBatch)`).
+own decoder the way vLLM's example subscriber does (`msgspec.msgpack.Decoder(KVEventBatch)`),
+then the bridge's guards: loopback binds, CURVE replay peers only, the replay rate.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 import zmq
 import zmq.asyncio
@@ -30,8 +33,10 @@ from cachetier.events.cache_events import (AllBlocksCleared, BlockRemoved, Block
                                            MqttEventPublisher)
 from cachetier.events.mqtt import Backoff
 from cachetier.events.observers import EventsObserver
-from cachetier.events.vllm_bridge import VllmEventBridge, run_bridge
+from cachetier.events.replay_keys import ReplayKeys
+from cachetier.events.vllm_bridge import BridgeSettings, VllmEventBridge, run_bridge
 from cachetier.events.vllm_events import VllmEventMapping, to_vllm, vllm_batch
+from cachetier.events.vllm_publisher import BatchRate
 from cachetier.run.servers import MosquittoServer, free_port
 from cachetier.service.server import CacheTierService
 from index.lifecycle import RequestLifecycle
@@ -42,6 +47,8 @@ from tests.index_harness import commit_item, new_request, only
 TIMEOUT_S = 10.0
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 ROOT = Path(__file__).resolve().parent.parent
+CREDENTIAL = "observer.bridge-test"  # what the bridge logs in with and replay peers hold
+KEYS = ReplayKeys.of(CREDENTIAL)
 
 
 # --- the mapping -------------------------------------------------------------------------------
@@ -135,15 +142,30 @@ class VllmConsumer:
                 self.expected += 1
 
     async def replay(self, start: int) -> list[Seen]:
-        """The publisher's buffered batches from `start` on, up to its end marker."""
-        await self.replay_socket.send_multipart([b"", start.to_bytes(8, "big")])
-        seen = []
-        async with asyncio.timeout(TIMEOUT_S):
-            while True:
-                _, topic, seq_bytes, payload = await self.replay_socket.recv_multipart()
-                if seq_bytes == ZmqEventPublisher.END_SEQ:
-                    return seen
-                seen.append(Seen(int.from_bytes(seq_bytes, "big"), DECODER.decode(payload), False))
+        return await replay(self.replay_socket, start)
+
+
+async def replay(socket: zmq.asyncio.Socket, start: int) -> list[Seen]:
+    """The publisher's buffered batches from `start` on, up to its end marker."""
+    await socket.send_multipart([b"", start.to_bytes(8, "big")])
+    seen = []
+    async with asyncio.timeout(TIMEOUT_S):
+        while True:
+            _, topic, seq_bytes, payload = await socket.recv_multipart()
+            if seq_bytes == ZmqEventPublisher.END_SEQ:
+                return seen
+            seen.append(Seen(int.from_bytes(seq_bytes, "big"), DECODER.decode(payload), False))
+
+
+def replay_socket(ctx: zmq.asyncio.Context, replay_endpoint: str,
+                  keys: ReplayKeys | None = KEYS) -> zmq.asyncio.Socket:
+    """A DEALER for vLLM's replay protocol; `keys`: its CURVE client (None: a plain one, as
+    vLLM's example subscriber's)."""
+    socket = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        keys.connect(socket)
+    socket.connect(replay_endpoint)
+    return socket
 
 
 @contextlib.contextmanager
@@ -154,9 +176,17 @@ def consumer(endpoint: str, replay_endpoint: str, *, bind: bool = False) -> Iter
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.bind(endpoint) if bind else sub.connect(endpoint)
-        replay = ctx.socket(zmq.DEALER)
-        replay.connect(replay_endpoint)
-        yield VllmConsumer(sub, replay)
+        yield VllmConsumer(sub, replay_socket(ctx, replay_endpoint))
+    finally:
+        ctx.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def replay_peer(replay_endpoint: str, keys: ReplayKeys | None = KEYS
+                ) -> Iterator[zmq.asyncio.Socket]:
+    ctx = zmq.asyncio.Context()
+    try:
+        yield replay_socket(ctx, replay_endpoint, keys)
     finally:
         ctx.destroy(linger=0)
 
@@ -187,8 +217,9 @@ async def bridged(redis_url: str, broker: str, tmp_path: Path, pool: str = "p",
     async with MqttEventPublisher(broker, max_queued=max_queued) as publisher, \
             running_service(redis_url, observer=EventsObserver(publisher, BLOCK)) as service:
         ready: asyncio.Future[VllmEventBridge] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(run_bridge(broker, pool, endpoint, replay_endpoint,
-                                              backoff=Backoff(0.01, 0.1), ready=ready.set_result))
+        settings = BridgeSettings(broker, endpoint, replay_endpoint, pool, replay_keys=KEYS)
+        task = asyncio.create_task(run_bridge(settings, backoff=Backoff(0.01, 0.1),
+                                              ready=ready.set_result))
         try:
             bridge = await asyncio.wait_for(asyncio.shield(ready), TIMEOUT_S)
             await publisher.link.wait_connected(TIMEOUT_S)
@@ -296,7 +327,7 @@ async def test_every_pool_in_one_stream_told_apart_by_ownership(
 
 async def test_cli_bridges_until_sigterm(mosquitto: MosquittoServer) -> None:
     endpoint, replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CACHETIER_TOKEN": CREDENTIAL}
     with consumer(endpoint, replay_endpoint, bind=True) as sub:  # vLLM: a tcp://HOST PUB connects
         proc = subprocess.Popen(
             [sys.executable, "-m", "cachetier.cli", "events", "vllm", "--mqtt", mosquitto.url,
@@ -316,9 +347,114 @@ async def test_cli_bridges_until_sigterm(mosquitto: MosquittoServer) -> None:
             assert [type(e) for s in seen for e in s.batch.events] == [VllmBlockStored,
                                                                        VllmBlockRemoved]
             assert seen[0].batch.events[0].kv_cache_spec_kind == "full_attention"
+            assert [r.seq for r in await sub.replay(0)] == [s.seq for s in seen]  # its keys
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 10) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_cli_refuses_a_replay_endpoint_without_a_credential(monkeypatch, capsys) -> None:
+    from cachetier.cli import main
+    monkeypatch.delenv("CACHETIER_TOKEN", raising=False)
+    assert main(["events", "vllm", "--mqtt", "mqtt://127.0.0.1:1", "--endpoint", "tcp://*:0",
+                 "--replay-endpoint", "tcp://*:0"]) == 2
+    assert "--replay-endpoint: answers only peers holding the bridge's credential" in \
+        capsys.readouterr().err
+
+
+# --- the guards: loopback binds, CURVE replay peers, the replay rate ---------------------------
+
+def listening_hosts(port: int) -> set[str]:
+    """The local addresses this process listens on at `port` (the kernel's view)."""
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+@contextlib.asynccontextmanager
+async def publishing(broker: str, batches: int, replay_rate: int = 1000
+                     ) -> AsyncIterator[tuple[VllmEventBridge, str]]:
+    """A default bridge (wildcard endpoints) with `batches` published; its replay endpoint."""
+    settings = BridgeSettings(broker, f"tcp://*:{free_port()}", f"tcp://*:{free_port()}",
+                              replay_keys=KEYS, replay_rate=replay_rate)
+    async with VllmEventBridge(settings) as bridge:
+        for i in range(batches):
+            bridge.publisher.publish(KVEventBatch(ts=float(i), events=[VllmAllBlocksCleared()]))
+        replay_endpoint = bridge.config.replay_endpoint
+        assert replay_endpoint is not None
+        yield bridge, replay_endpoint
+
+
+async def test_a_default_bridge_binds_its_wildcard_endpoints_on_loopback_only(
+        mosquitto: MosquittoServer) -> None:
+    async with publishing(mosquitto.url, 0) as (bridge, replay_endpoint):
+        bound = [bridge.config.endpoint, replay_endpoint]
+        assert all(e.startswith("tcp://127.0.0.1:") for e in bound), bound
+        ports = [int(e.rpartition(":")[2]) for e in bound]
+        assert [listening_hosts(port) for port in ports] == [{"127.0.0.1"}, {"127.0.0.1"}]
+
+
+async def replay_request(replay_endpoint: str, keys: ReplayKeys | None,
+                         wait_s: float = TIMEOUT_S) -> list[Seen] | None:
+    """One replay from seq 0 on a fresh DEALER; None when nothing comes back within `wait_s`."""
+    with replay_peer(replay_endpoint, keys) as socket:
+        try:
+            return await asyncio.wait_for(replay(socket, 0), wait_s)
+        except TimeoutError:
+            return None
+
+
+async def test_the_replay_socket_answers_only_peers_holding_the_credential(
+        mosquitto: MosquittoServer) -> None:
+    async with publishing(mosquitto.url, 3) as (_, replay_endpoint):
+        async with asyncio.timeout(TIMEOUT_S):
+            answer: list[Seen] | None = []
+            while answer is not None and len(answer) < 3:  # until the publisher sent all three
+                answer = await replay_request(replay_endpoint, KEYS)
+        assert answer is not None and [s.seq for s in answer] == [0, 1, 2]
+        assert [s.batch.ts for s in answer] == [0.0, 1.0, 2.0]
+        for stranger in (None, ReplayKeys.of("observer.another-cluster")):  # plain, wrong keys
+            assert await replay_request(replay_endpoint, stranger, wait_s=1.0) is None
+
+
+async def test_a_replay_flood_gets_at_most_the_rate_of_batches_a_second(
+        mosquitto: MosquittoServer) -> None:
+    rate, batches, requests = 4, 12, 12
+    async with publishing(mosquitto.url, batches, replay_rate=rate) as (_, replay_endpoint):
+        await asyncio.sleep(0.3)  # the publisher thread sends (and buffers) the batches
+        with replay_peer(replay_endpoint) as socket:
+            started = time.monotonic()
+            for _ in range(requests):  # each asks for all twelve batches
+                await socket.send_multipart([b"", (0).to_bytes(8, "big")])
+            answers = await asyncio.wait_for(read_answers(socket, requests), TIMEOUT_S)
+            elapsed = time.monotonic() - started
+    sent = sum(answers)
+    assert answers[0] == rate, answers  # one request gets at most the rate too
+    assert max(answers) <= rate and sent <= rate * (int(elapsed) + 1), (answers, elapsed)
+
+
+async def read_answers(socket: zmq.asyncio.Socket, requests: int) -> list[int]:
+    """The batches in each of `requests` replay answers, in order (each ends at vLLM's marker)."""
+    answers = [0]
+    while len(answers) <= requests:
+        _, _, seq, _ = await socket.recv_multipart()
+        if seq == ZmqEventPublisher.END_SEQ:
+            answers.append(0)
+        else:
+            answers[-1] += 1
+    return answers[:-1]
+
+
+def test_the_replay_rate_allows_n_batches_in_any_one_second_window() -> None:
+    now = [0.0]
+    rate = BatchRate(3, clock=lambda: now[0])
+    taken = []
+    for t in [0.0, 0.1, 0.2, 0.3, 0.99, 1.0, 1.05, 1.1, 1.2, 2.5]:
+        now[0] = t
+        if rate.take():
+            taken.append(t)
+    assert taken == [0.0, 0.1, 0.2, 1.0, 1.1, 1.2, 2.5]
+    with pytest.raises(ValueError):
+        BatchRate(0)

@@ -1,12 +1,15 @@
 """The bridge from cachetier's MQTT cache events to a vLLM KV-events stream over ZeroMQ.
 
 It subscribes to one pool's batches (or every pool's) and republishes each, converted by
-`vllm_events`, through vLLM's own `ZmqEventPublisher`, made by `EventPublisherFactory` from a
-`KVEventsConfig`: vLLM numbers the batches, keeps the last `buffer_steps` of them for replay
-requests on its ROUTER socket, and sends `(topic, seq, payload)` exactly as an engine does, so a
-router that follows vLLM engines follows a cachetier pool the same way. Endpoints mean what they
-mean to vLLM: `tcp://*:PORT` (or `ipc://`, `inproc://`) binds the PUB socket, `tcp://HOST:PORT`
-connects it to a subscriber that binds; the replay endpoint always binds.
+`vllm_events`, through vLLM's own `ZmqEventPublisher` (`vllm_publisher.GuardedZmqPublisher`):
+vLLM numbers the batches, keeps the last `buffer_steps` of them for replay requests on its ROUTER
+socket, and sends `(topic, seq, payload)` exactly as an engine does, so a router that follows vLLM
+engines follows a cachetier pool the same way. Endpoints mean what they mean to vLLM, but for
+where a wildcard binds: `tcp://*:PORT` binds the PUB socket on `bind_host` (default loopback;
+`*`: every address), `ipc://` and `inproc://` bind, `tcp://HOST:PORT` connects it to a
+subscriber that binds; the replay endpoint always binds, answers only CURVE peers holding the
+bridge's credential (`replay_keys`, derived from it) and sends at most `replay_rate` batches a
+second.
 
 Gaps: the MQTT batches are numbered per pool and service replica; one lost on the way (a replica's
 buffer overflowed while its broker was away, the bridge was disconnected, or the bridge joined a
@@ -25,16 +28,19 @@ from dataclasses import dataclass, field
 from typing import Self
 
 from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import EventPublisher, EventPublisherFactory
 
 from cachetier.events.cache_events import EventSubscriber
 from cachetier.events.mqtt import Backoff
+from cachetier.events.replay_keys import ReplayKeys
 from cachetier.events.vllm_events import VllmEventMapping, vllm_batch
+from cachetier.events.vllm_publisher import DEFAULT_REPLAY_RATE, LOOPBACK, GuardedZmqPublisher
 
 
 @dataclass(frozen=True)
 class BridgeSettings:
-    """`pool="+"`: every pool in one stream. The rest is vLLM's `KVEventsConfig`."""
+    """`pool="+"`: every pool in one stream. `endpoint`, `replay_endpoint`, `topic` and
+    `buffer_steps` are vLLM's `KVEventsConfig`'s; the rest `GuardedZmqPublisher`'s (a replay
+    endpoint needs `replay_keys`)."""
 
     mqtt_url: str
     endpoint: str
@@ -43,11 +49,15 @@ class BridgeSettings:
     mapping: VllmEventMapping = field(default_factory=VllmEventMapping)
     topic: str = ""
     buffer_steps: int = 10_000
+    bind_host: str = LOOPBACK
+    replay_keys: ReplayKeys | None = None
+    replay_rate: int = DEFAULT_REPLAY_RATE
 
-    def kv_events_config(self) -> KVEventsConfig:
-        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                              endpoint=self.endpoint, replay_endpoint=self.replay_endpoint,
-                              buffer_steps=self.buffer_steps, topic=self.topic)
+    def publisher(self) -> GuardedZmqPublisher:
+        return GuardedZmqPublisher(self.endpoint, self.replay_endpoint,
+                                   buffer_steps=self.buffer_steps, topic=self.topic,
+                                   bind_host=self.bind_host, replay_keys=self.replay_keys,
+                                   replay_rate=self.replay_rate)
 
 
 class VllmEventBridge:
@@ -57,20 +67,19 @@ class VllmEventBridge:
     def __init__(self, settings: BridgeSettings, backoff: Backoff | None = None) -> None:
         self.settings = settings
         self.subscriber = EventSubscriber(settings.mqtt_url, settings.pool, backoff=backoff)
-        self._publisher: EventPublisher | None = None
+        self._publisher: GuardedZmqPublisher | None = None
 
     @property
-    def publisher(self) -> EventPublisher:
+    def publisher(self) -> GuardedZmqPublisher:
         if self._publisher is None:
             raise RuntimeError("the bridge is not running")
         return self._publisher
 
     @property
     def config(self) -> KVEventsConfig:
-        """The publisher's resolved configuration (`tcp://*:0` resolved to the bound address)."""
-        resolved = self.publisher.get_publisher_config()
-        assert resolved is not None
-        return resolved
+        """The publisher's resolved configuration: each bound endpoint as bound (a port 0 made
+        real, a `*` its host)."""
+        return self.publisher.get_publisher_config()
 
     async def run(self) -> None:
         async for received in self.subscriber:
@@ -78,7 +87,7 @@ class VllmEventBridge:
                                               self.settings.mapping))
 
     async def __aenter__(self) -> Self:
-        self._publisher = EventPublisherFactory.create(self.settings.kv_events_config())
+        self._publisher = self.settings.publisher()
         try:
             await self.subscriber.__aenter__()
         except BaseException:
@@ -99,14 +108,10 @@ class VllmEventBridge:
             await asyncio.to_thread(publisher.shutdown)
 
 
-async def run_bridge(mqtt_url: str, pool: str, endpoint: str, replay_endpoint: str | None = None,
-                     *, mapping: VllmEventMapping | None = None, topic: str = "",
-                     buffer_steps: int = 10_000, backoff: Backoff | None = None,
+async def run_bridge(settings: BridgeSettings, *, backoff: Backoff | None = None,
                      ready: Callable[[VllmEventBridge], None] | None = None) -> None:
     """Bridge until cancelled; `ready` gets the bridge once its sockets are up and the broker has
     its subscription (it waits for a broker that is not up yet)."""
-    settings = BridgeSettings(mqtt_url, endpoint, replay_endpoint, pool,
-                              mapping or VllmEventMapping(), topic, buffer_steps)
     async with VllmEventBridge(settings, backoff) as bridge:
         await bridge.subscriber.link.connected.wait()
         if ready is not None:

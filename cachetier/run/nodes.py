@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MetricsListen:
-    """Where `serve` answers `GET /metrics` (port 0: any free port); `ready` gets its URL."""
+    """Where `serve` answers `GET /metrics` (port 0: any free port); `ready` gets its URL;
+    `token`: the bearer token a scrape must carry (None: any scrape is answered)."""
 
     host: str
     port: int
     ready: Callable[[str], None]
+    token: str | None = None
 
 
 async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
@@ -59,7 +61,7 @@ async def run_service(settings: ServiceSettings, ready: Callable[[str], None],
                                                             known=service.knows_agent))
         if series is not None and metrics is not None:
             series.watch(service.indexes)
-            endpoint = MetricsEndpoint(series, metrics.host, metrics.port)
+            endpoint = MetricsEndpoint(series, metrics.host, metrics.port, metrics.token)
             metrics.ready((await stack.enter_async_context(endpoint)).url)
         ready(service.url)
         await asyncio.Event().wait()
