@@ -15,8 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from cachetier.errors import (AgentLost, AgentUnavailable, CacheTierError, ConnectionLost,
-                              ErrorCode, WriterStalled,
-                              CopyFailed, CopyTimeout, RemoteError)
+                              CopyFailed, CopyTimeout, ErrorCode, RemoteError, WriterStalled)
 from cachetier.wire.channel import Channel
 from cachetier.wire.protocol import AgentIdentity, CopyBatch, Fence
 from index.records import StepPlan
