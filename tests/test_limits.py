@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import json
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -22,22 +26,33 @@ from redis.asyncio import Redis
 
 from cachetier.client import CacheTierClient
 from cachetier.errors import ErrorCode, RemoteError
-from cachetier.service.limits import ServiceLimits, parse_limits
+from cachetier.service.limits import ServiceLimits, frame_bound, parse_limits
 from cachetier.wire.framing import HEADER, encode_frame
-from cachetier.wire.protocol import PROTOCOL_VERSION, Hello, Stats, parse_reply, request_frame
+from cachetier.wire.protocol import (PROTOCOL_VERSION, Hello, Plan, Stats, parse_reply,
+                                     request_frame)
 from index.hashing import hash_len
 from index.records import StepPlan, StepRequest
-from tests.cluster_harness import BLOCK, TINY, TOKEN, running_agent, running_service
+from tests.cluster_harness import (BLOCK, TINY, TOKEN, agent_token, running_agent,
+                                   running_service)
 from tests.index_harness import new_request
 
 HASH = hash_len(TINY.cache.hash_algo)
 
 
-def rss_bytes() -> int:
-    """This process's resident memory (the service runs in it)."""
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory (the service runs in it); `VmHWM`: its peak."""
     with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
+        line = next(line for line in status if line.startswith(f"{field}:"))
     return int(line.split()[1]) * 1024
+
+
+def reset_peak_rss() -> None:
+    """From now on `rss_bytes("VmHWM")` is the peak since now (Linux 4.0 and later)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError as exc:
+        pytest.skip(f"the peak memory cannot be reset here ({exc}): not measurable")
 
 
 class Raw:
@@ -279,3 +294,157 @@ async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
             assert (exc.value.code, exc.value.retryable) == (ErrorCode.CAPACITY, True), exc.value
         assert isinstance(await tier.plan("p", [new_request("ok", doc, 16, BLOCK)]), StepPlan)
         await tier.release("p", ["ok"])
+
+
+# Issue 34: frames after the hello bounded by the largest legal call, read a chunk at a time.
+
+def largest_plan(limits: ServiceLimits) -> Plan:
+    """The largest plan `check_size` lets through on the tiny preset: a full batch of longest
+    ids and widest fields, whose hashes fill `max_hash_bytes`."""
+    batch = TINY.cache.max_batch
+    per_request = limits.max_hash_bytes // batch // HASH
+    return Plan("nope", [StepRequest(f"{i:0{limits.max_rid_bytes}d}", 2**62, per_request * BLOCK,
+                                     b"\1" * (per_request * HASH), True, True, True, True,
+                                     True, "branch") for i in range(batch)])
+
+
+def frame_bytes(message: Any) -> bytes:
+    return encode_frame(request_frame(1, message), max_frame=1 << 30)
+
+
+# A client in a process of its own (in a thread of the tests' process it would take the GIL from
+# the service's loop): says hello, prints "ready", waits for a line, sends the frame in the file
+# (in 256 KiB pieces `pace` seconds apart, when paced), prints its error reply and the seconds
+# from its first byte sent to that reply.
+SENDER = """
+import json, socket, sys, time
+import msgpack
+from cachetier.wire.framing import HEADER, encode_frame
+from cachetier.wire.protocol import PROTOCOL_VERSION, Hello, request_frame
+host, port, token, path, pace = sys.argv[1:]
+frame, pace = open(path, "rb").read(), float(pace)
+def reply(sock):
+    data = b""
+    while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack(data[:4])[0]:
+        data += sock.recv(1 << 16) or sys.exit("closed")
+    return msgpack.unpackb(data[HEADER.size:])
+sock = socket.create_connection((host, int(port)))
+sock.sendall(encode_frame(request_frame(0, Hello(PROTOCOL_VERSION, token))))
+reply(sock)
+print("ready", flush=True)
+sys.stdin.readline()
+t0, view = time.perf_counter(), memoryview(frame)
+step = 256 << 10 if pace else len(frame)
+for start in range(0, len(frame), step):
+    sock.sendall(view[start:start + step])
+    time.sleep(pace)
+error = reply(sock)["error"]
+print(json.dumps({"read_s": time.perf_counter() - t0, **error}), flush=True)
+"""
+
+
+async def send_aside(url: str, frame: bytes, tmp_path: Path, other: CacheTierClient,
+                     pace_s: float = 0.0) -> tuple[dict[str, Any], float, list[float]]:
+    """`frame` sent by a client in another process (`SENDER`) while `other` calls `health` back
+    to back: the frame's error reply, its read time as the sender saw it, and the CPU seconds
+    the service's loop spent during each of `other`'s calls. CPU, not wall time: a loaded test
+    host stalls a process for tens of ms at times, which says nothing of what holds the loop."""
+    path = tmp_path / "frame"
+    path.write_bytes(frame)
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    sender = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SENDER, host, port, TOKEN, str(path), str(pace_s),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert sender.stdin is not None and sender.stdout is not None
+    try:
+        assert await asyncio.wait_for(sender.stdout.readline(), 30) == b"ready\n"
+        gc.freeze()  # pytest's heap, and the earlier tests': collecting it stalls the loop ~20 ms
+        sender.stdin.write(b"go\n")
+        await sender.stdin.drain()
+        answer = asyncio.ensure_future(sender.stdout.readline())
+        delays = await delays_while(other, answer)
+        error = json.loads(await answer)
+    finally:
+        gc.unfreeze()
+        with contextlib.suppress(ProcessLookupError):
+            sender.kill()
+        await sender.wait()
+    return error, error.pop("read_s"), delays
+
+
+async def delays_while(other: CacheTierClient, busy: asyncio.Future[Any]) -> list[float]:
+    """The loop's CPU seconds during each of `other`'s `health` calls, called back to back until
+    `busy` is done: a frame that holds the loop shows as one long call. The loop's thread runs
+    the service and `other`, nothing else."""
+    delays = []
+    while not busy.done():
+        t0 = time.thread_time()
+        await other.health()
+        delays.append(time.thread_time() - t0)
+    return delays
+
+
+async def test_after_the_hello_a_frame_holds_at_most_the_largest_legal_call(redis, redis_url):
+    limits = ServiceLimits()
+    bound = frame_bound(limits, [TINY])
+    async with running_service(redis_url, limits=limits) as service:
+        largest = frame_bytes(largest_plan(limits))
+        assert 0.99 * bound.max_bytes < len(largest) - HEADER.size <= bound.max_bytes
+        async with Raw.open(service.url) as raw:
+            await raw.hello()
+            raw.writer.write(largest)
+            reply = await raw.reply()
+            assert reply.error.code == ErrorCode.UNKNOWN_POOL, reply  # read, checked, looked up
+            raw.writer.write(HEADER.pack(bound.max_bytes + 1))
+            reply = await raw.reply()
+            assert reply.error.code == ErrorCode.BROKEN_STREAM, reply
+            assert f"outside 1..{bound.max_bytes}" in reply.error.message, reply
+            assert await raw.closed()
+        # an agent sends its registration and acks: a few fields, never a list
+        async with Raw.open(service.url) as raw:
+            await raw.send(Hello(PROTOCOL_VERSION, agent_token(), "agent"), 0)
+            assert (await raw.reply()).ok
+            raw.writer.write(HEADER.pack(limits.agent_max_frame + 1))
+            reply = await raw.reply()
+            assert reply.error.code == ErrorCode.BROKEN_STREAM, reply
+            assert f"outside 1..{limits.agent_max_frame}" in reply.error.message, reply
+
+
+# A bound of 40 MiB (hashes up to 40 MiB per call, and the prompts they hash): the service reads
+# such a frame at full speed in 100-150 ms here, long enough to tell a frame that holds the loop
+# from one that only takes its turns.
+WIDE = ServiceLimits(max_hash_bytes=40 << 20, max_held_tokens=1 << 26)
+
+
+@pytest.mark.parametrize("pace_s", [0.0, 0.002], ids=["full speed", "paced"])
+async def test_a_large_legal_frame_holds_up_no_other_client(redis, redis_url, tmp_path, pace_s):
+    async with running_service(redis_url, limits=WIDE) as service, \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as other:
+        await other.health()
+        error, read_s, delays = await send_aside(service.url, frame_bytes(largest_plan(WIDE)),
+                                                 tmp_path, other, pace_s)
+        assert error["code"] == ErrorCode.UNKNOWN_POOL, error  # read, checked, looked up
+        assert max(delays) < 0.25 * read_s, (max(delays), read_s)
+
+
+async def test_a_frame_of_countless_objects_is_refused_unbuilt(redis, redis_url, tmp_path):
+    """8 M empty arrays, then 30 MiB of bytes: within the byte bound, but no call has as many
+    objects. Decoded on the loop at once, the arrays took 3 s and 590 MB; counted a chunk at a
+    time, they are refused at the first and the rest is only read past."""
+    bound = frame_bound(WIDE, [TINY])
+    async with running_service(redis_url, limits=WIDE) as service, \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as other:
+        await other.health()
+        count, tail = 8 << 20, b"\xc6" + (30 << 20).to_bytes(4, "big") + bytes(30 << 20)
+        body = b"\xdd" + (count + 1).to_bytes(4, "big") + b"\x90" * count + tail
+        frame = HEADER.pack(len(body)) + body
+        assert len(body) <= bound.max_bytes
+        before = rss_bytes()
+        reset_peak_rss()
+        error, read_s, delays = await send_aside(service.url, frame, tmp_path, other)
+        grown = rss_bytes("VmHWM") - before  # what was built is freed by the time of the reply
+        assert error["code"] == ErrorCode.BAD_FRAME, error
+        assert f"more than {bound.max_objects} msgpack objects" in error["message"], error
+        assert max(delays) < 0.25 * read_s, (max(delays), read_s)
+        assert grown < 32 << 20, grown
+        assert (await other.health()).redis

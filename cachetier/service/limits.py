@@ -11,6 +11,11 @@ message), checked before any work is done for the request:
   the pages they pin and their prompts' tokens (Redis holds their hashes meanwhile: 30 unreleased
   10^7-token prompts grew it by 556 MB), and the rate of `stats`. Over a quota is retryable: the
   client's own releases, or time, free it.
+- *Frames* (`frame_bound`): after the hello a client's frame holds at most what the largest legal
+  call needs, in bytes and in msgpack objects, for the service's pools' geometry; an agent's at
+  most `agent_max_frame` bytes (its registration, its acks). `framing.FramedStream` checks both
+  before it builds anything (an 8 MiB frame of empty arrays once took the service from 238 to
+  825 MB and held every client for 3.4 s).
 
 The quota's table of held requests is connection state like `fleet.PoolAgents`: it is kept from
 the replies this service sent, so it is an upper bound of what the client holds in Redis (a
@@ -23,17 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachetier.config import Config
+from cachetier.config import CacheSpec, Config
 from cachetier.errors import LimitExceeded
+from cachetier.wire.framing import FrameBound
 from cachetier.wire.protocol import (Commit, Handoff, Pin, Plan, PlanReply, Release, Route,
                                      Stats)
+from index.hashing import hash_len
 from index.prefix import PinnedPrefix
-from index.records import ReleaseResult, RequestPlan
+from index.records import CommitItem, ReleaseResult, RequestPlan, StepRequest
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class ServiceLimits:
 
     # connections
     hello_max_frame: int = 4096  # bytes, for every frame before the hello is accepted
+    agent_max_frame: int = 64 << 10  # bytes, for an agent's frames after it (register, acks)
     max_connections: int = 1024  # clients and agents together; past it a connection is refused
     max_handshaking: int = 128  # connections not authenticated yet (each has its deadline)
     idle_timeout_s: float | None = 600.0  # a connection with no call in flight; None: never
@@ -59,9 +68,9 @@ class ServiceLimits:
     stats_per_s: float = 200.0  # `stats` calls, with a burst of as many (a poller: ~100/s)
 
     def __post_init__(self) -> None:
-        for name in ("hello_max_frame", "max_connections", "max_handshaking", "calls_in_flight",
-                     "max_release_ids", "max_prompt_tokens", "max_hash_bytes", "max_rid_bytes",
-                     "max_route_pools", "max_held_requests", "max_pinned_pages",
+        for name in ("hello_max_frame", "agent_max_frame", "max_connections", "max_handshaking",
+                     "calls_in_flight", "max_release_ids", "max_prompt_tokens", "max_hash_bytes",
+                     "max_rid_bytes", "max_route_pools", "max_held_requests", "max_pinned_pages",
                      "max_held_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"limit {name} must be >= 1")
@@ -138,6 +147,67 @@ def _check_prompt(tokens: int, limits: ServiceLimits) -> None:
 def _check_hashes(size: int, limits: ServiceLimits) -> None:
     if size > limits.max_hash_bytes:
         raise _too_big("max_hash_bytes", "the call's hash bytes", size, limits.max_hash_bytes)
+
+
+# What one frame may hold after the hello (`frame_bound`). A client's is the largest legal call of
+# any pool the service serves; every term is an upper bound of what msgpack writes:
+#   bytes = ENVELOPE_BYTES + max(
+#     plan:      max_batch x (record(StepRequest) + rid) + min(max_hash_bytes, max_batch x hashes),
+#     commit:    max_batch x (record(CommitItem) + rid),
+#     release:   max_release_ids x rid,
+#     route:     max_route_pools x (STR_HEADER + POOL_ID_BYTES) + hashes,
+#     pin, hand-off: rid + hashes)
+#   rid = STR_HEADER + max_rid_bytes; hashes (one request's) = min(max_hash_bytes,
+#     max_prompt_tokens // hash_block_tokens x hash_len): one per complete block of its prompt;
+#   record(R) = STR_HEADER + sum over R's fields of (STR_HEADER + len(name) + SCALAR_BYTES)
+#   objects = ENVELOPE_OBJECTS + max(max_batch x (1 + 2 x fields of StepRequest or CommitItem),
+#     max_release_ids, max_route_pools): a record is a map, its keys and values one object each
+# The tiny preset gives 16.2 MiB and 5,440 objects (its 16-token blocks let 256 requests reach
+# `max_hash_bytes`), kimi-k3 8.2 MiB (512-token blocks); both were 64 MiB, objects uncounted.
+ENVELOPE_BYTES = 4096  # a request's op, id, pool ids and headers beside its lists (~300 used)
+ENVELOPE_OBJECTS = 64  # its map's keys and values beside its lists (13 at most used)
+STR_HEADER = 5  # the widest header of a msgpack string, binary, array or map
+SCALAR_BYTES = 16  # a record's widest value but its strings' bytes (an int64: 9, a kind: 13)
+POOL_ID_BYTES = 128  # `index.store`'s pool ids
+AGENT_OBJECTS = 64  # an agent's registration or ack: one map of a few fields (19 at most used)
+
+
+def frame_bound(limits: ServiceLimits, configs: Iterable[Config]) -> FrameBound:
+    """What a client's frame may hold after its hello, for pools of each of `configs` (see the
+    formula above); check_size then refuses a call too big for its own pool."""
+    caches = [config.cache for config in configs]
+    return FrameBound(max(_call_bytes(limits, cache) for cache in caches),
+                      max(_call_objects(limits, cache) for cache in caches))
+
+
+def agent_frame_bound(limits: ServiceLimits) -> FrameBound:
+    """An agent sends a registration, then acks (an int, None or an error): never a list."""
+    return FrameBound(limits.agent_max_frame, AGENT_OBJECTS)
+
+
+def _call_bytes(limits: ServiceLimits, cache: CacheSpec) -> int:
+    rid = STR_HEADER + limits.max_rid_bytes
+    hashes = min(limits.max_hash_bytes, limits.max_prompt_tokens // cache.hash_block_tokens
+                 * hash_len(cache.hash_algo))
+    batch = cache.max_batch
+    return ENVELOPE_BYTES + max(
+        batch * (_record_bytes(StepRequest) + rid) + min(limits.max_hash_bytes, batch * hashes),
+        batch * (_record_bytes(CommitItem) + rid),
+        limits.max_release_ids * rid,
+        limits.max_route_pools * (STR_HEADER + POOL_ID_BYTES) + hashes,
+        rid + hashes)
+
+
+def _call_objects(limits: ServiceLimits, cache: CacheSpec) -> int:
+    record = 1 + 2 * max(len(dataclasses.fields(StepRequest)), len(dataclasses.fields(CommitItem)))
+    return ENVELOPE_OBJECTS + max(cache.max_batch * record, limits.max_release_ids,
+                                  limits.max_route_pools)
+
+
+@functools.cache
+def _record_bytes(record: type) -> int:
+    return STR_HEADER + sum(STR_HEADER + len(f.name) + SCALAR_BYTES
+                            for f in dataclasses.fields(record))
 
 
 @dataclass

@@ -44,12 +44,13 @@ from cachetier.service.batching import (CommitCoalescer, ConfirmCoalescer, PlanC
                                         ReleaseCoalescer)
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
-from cachetier.service.limits import ClientQuota, ServiceLimits, check_size
+from cachetier.service.limits import (ClientQuota, ServiceLimits, agent_frame_bound, check_size,
+                                      frame_bound)
 from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.recovery import PoolRecovery
 from cachetier.wire.channel import Channel, send_error, serve_requests
-from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FrameBound, FramedStream
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm, CopyBatch,
                                      Handoff, HandoffReply, Health, HealthReport, Hello,
                                      Invalidate, Pin,
@@ -183,6 +184,7 @@ class CacheTierService:
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
         self._handshaking = 0  # connections whose hello is not accepted yet
+        self._client_bound = _client_bound(settings)
         self._losses: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._registering = asyncio.Lock()  # registrations are rare: one at a time, all pools
@@ -283,8 +285,10 @@ class CacheTierService:
             principal = await self._admitted(stream)
             stream.max_frame = self.settings.max_frame
             if principal.role is Role.AGENT:
+                stream.bound = agent_frame_bound(limits)
                 await self._serve_agent(stream, principal)
             else:
+                stream.bound = self._client_bound
                 quota = ClientQuota(limits, self.settings.request_lease_s)
                 await serve_requests(stream, CLIENT_OPS,
                                      functools.partial(self._client_call, principal, quota),
@@ -648,6 +652,12 @@ class CacheTierService:
         recovering = sorted(name for name, s in self._pools.items() if s.recovery.recovering)
         return HealthReport(self.settings.server_id, PROTOCOL_VERSION, redis_ok, pools,
                             recovering)
+
+
+def _client_bound(settings: ServiceSettings) -> FrameBound:
+    """A client's frames after its hello (`limits.frame_bound`), within `max_frame`."""
+    bound = frame_bound(settings.limits, [settings.config, *settings.pool_configs.values()])
+    return FrameBound(min(bound.max_bytes, settings.max_frame), bound.max_objects)
 
 
 async def _retry_if_stale(call: Callable[[], Awaitable[T]]) -> T:
