@@ -25,18 +25,23 @@ import pytest
 from redis.asyncio import Redis
 
 from cachetier.client import CacheTierClient
+from cachetier.credentials import Principal, Role, issue
 from cachetier.errors import ErrorCode, RemoteError
+from cachetier.service.observer import ServiceObserver
+from cachetier.service.reaper import ReaperSettings
 from cachetier.service.limits import ServiceLimits, frame_bound, parse_limits
 from cachetier.wire.framing import HEADER, encode_frame
 from cachetier.wire.protocol import (PROTOCOL_VERSION, Hello, Plan, Stats, parse_reply,
                                      request_frame)
 from index.hashing import hash_len
 from index.records import StepPlan, StepRequest
-from tests.cluster_harness import (BLOCK, TINY, TOKEN, agent_token, running_agent,
+from tests.cluster_harness import (BLOCK, SECRET, TINY, TOKEN, agent_token, running_agent,
                                    running_service)
 from tests.index_harness import new_request
 
 HASH = hash_len(TINY.cache.hash_algo)
+ADMIN = issue(SECRET, Principal(Role.ADMIN))
+OBSERVER = issue(SECRET, Principal(Role.OBSERVER))
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -78,13 +83,21 @@ class Raw:
         await self.writer.drain()
 
     async def hello(self) -> None:
-        await self.send(Hello(PROTOCOL_VERSION, TOKEN), 0)
-        assert (await self.reply()).ok
+        assert (await self.hello_reply(TOKEN)).ok
+
+    async def hello_reply(self, token: str) -> Any:
+        await self.send(Hello(PROTOCOL_VERSION, token), 0)
+        return await self.reply()
 
     async def reply(self, timeout: float = 5.0) -> Any:
         async with asyncio.timeout(timeout):
             (size,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
             return parse_reply(msgpack.unpackb(await self.reader.readexactly(size)))
+
+    async def leave(self) -> None:
+        """Close our side, and wait for the service to close its own."""
+        self.writer.write_eof()
+        assert await self.closed()
 
     async def closed(self, timeout: float = 5.0) -> bool:
         """Whether the service closed the connection (after any frames it sent first)."""
@@ -119,7 +132,8 @@ async def test_before_the_hello_a_large_frame_is_refused_unread_and_memory_stays
 
 
 async def test_idle_half_sent_and_surplus_connections_are_closed(redis, redis_url):
-    limits = ServiceLimits(idle_timeout_s=0.3, max_handshaking=2, max_connections=3)
+    limits = ServiceLimits(idle_timeout_s=0.3, max_handshaking=2, max_connections=3,
+                           reserved_connections=0)
     async with running_service(redis_url, limits=limits, handshake_timeout_s=0.3) as service:
         url = service.url
         async with Raw.open(url) as idle, Raw.open(url) as half:
@@ -157,9 +171,14 @@ async def test_idle_half_sent_and_surplus_connections_are_closed(redis, redis_ur
 
 
 def test_serve_limit_flags() -> None:
-    limits = parse_limits(["idle_timeout_s=none", "max_release_ids=10", "stats_per_s=2.5"])
+    limits = parse_limits(["idle_timeout_s=none", "max_release_ids=10", "stats_per_s=2.5",
+                           "reserved_connections=0", "max_principal_connections=8",
+                           "max_principal_held_tokens=100", "agent_max_frame=1000"])
     assert (limits.idle_timeout_s, limits.max_release_ids, limits.stats_per_s) == (None, 10, 2.5)
-    for bad in ("nope=1", "max_release_ids", "max_release_ids=ten", "max_release_ids=0"):
+    assert (limits.reserved_connections, limits.max_principal_connections,
+            limits.max_principal_held_tokens, limits.agent_max_frame) == (0, 8, 100, 1000)
+    for bad in ("nope=1", "max_release_ids", "max_release_ids=ten", "max_release_ids=0",
+                "reserved_connections=1024", "max_principal_connections=0"):
         with pytest.raises(ValueError):
             parse_limits([bad])
 
@@ -296,7 +315,8 @@ async def test_redis_busy_and_full_are_retryable_errors(redis, redis_url):
         await tier.release("p", ["ok"])
 
 
-# Issue 34: frames after the hello bounded by the largest legal call, read a chunk at a time.
+# Issue 34: frames after the hello bounded by the largest legal call, read a chunk at a time, and
+# each credential's share of the connections and of what they hold.
 
 def largest_plan(limits: ServiceLimits) -> Plan:
     """The largest plan `check_size` lets through on the tiny preset: a full batch of longest
@@ -448,3 +468,80 @@ async def test_a_frame_of_countless_objects_is_refused_unbuilt(redis, redis_url,
         assert max(delays) < 0.25 * read_s, (max(delays), read_s)
         assert grown < 32 << 20, grown
         assert (await other.health()).redis
+
+
+class Refusals(ServiceObserver):
+    """The limits the service refused something at, as its metrics count them."""
+
+    def __init__(self) -> None:
+        self.limits: list[str] = []
+
+    def quota_rejected(self, pool: str | None, limit: str) -> None:
+        self.limits.append(limit)
+
+
+def refused_at(reply: Any, limit: str) -> bool:
+    error = reply.error
+    return (error.code, error.retryable) == (ErrorCode.LIMIT, True) \
+        and error.message.startswith(f"limit {limit}:")
+
+
+async def test_one_credential_cannot_take_every_connection(redis, redis_url):
+    """One client credential once held 1,022 idle connections: every new client was locked out
+    for the idle timeout. Now it holds its share, and the last connections are the agents' and
+    the admin's."""
+    limits = ServiceLimits(max_connections=10, reserved_connections=3, max_principal_connections=4)
+    refusals = Refusals()
+    async with running_service(redis_url, observer=refusals, limits=limits) as service, \
+            contextlib.AsyncExitStack() as stack:
+        async def connect(token: str) -> tuple[Raw, Any]:
+            raw = await stack.enter_async_context(Raw.open(service.url))
+            return raw, await raw.hello_reply(token)
+
+        clients = [await connect(TOKEN) for _ in range(4)]
+        raw, reply = await connect(TOKEN)
+        assert refused_at(reply, "max_principal_connections"), reply
+        assert await raw.closed()
+        # another credential connects, up to the room the reserved connections leave (10 - 3)
+        for _ in range(3):
+            assert (await connect(OBSERVER))[1].ok
+        raw, reply = await connect(OBSERVER)
+        assert refused_at(reply, "reserved_connections"), reply
+        assert await raw.closed()
+        # a connection of the credential closes: its share has room again
+        await clients[0][0].leave()
+        assert (await connect(TOKEN))[1].ok
+        # the reserved room: an agent registers, the admin connects twice
+        async with running_agent(service.url), \
+                CacheTierClient(service.url, token=ADMIN, timeout=5) as admin:
+            assert (await connect(ADMIN))[1].ok
+            assert (await admin.health()).pools == {"p": [0]}
+    assert refusals.limits == ["max_principal_connections", "reserved_connections"]
+
+
+async def test_one_credential_cannot_hold_more_than_its_share(redis, redis_url):
+    limits = ServiceLimits(max_held_requests=3, max_principal_held_requests=4)
+    doc = list(range(100, 164))
+
+    def new(rid: str) -> list[StepRequest]:
+        return [new_request(rid, doc, 16, BLOCK)]
+
+    async with running_service(redis_url, limits=limits, request_lease_s=1.0,
+                               reaper=ReaperSettings(every_s=0.2)) as service, \
+            running_agent(service.url), \
+            CacheTierClient(service.url, token=TOKEN, timeout=10) as b:
+        async with CacheTierClient(service.url, token=TOKEN, timeout=10) as a:
+            assert isinstance(await a.plan("p", new("a0") + new("a1") + new("a2")), StepPlan)
+            assert isinstance(await b.plan("p", new("b0")), StepPlan)
+            with pytest.raises(RemoteError) as exc:
+                await b.plan("p", new("b1"))  # 3 per connection, 4 for the credential
+            assert_limit(exc, "max_principal_held_requests", retryable=True)
+            await a.release("p", ["a0"])
+            assert isinstance(await b.plan("p", new("b1")), StepPlan)
+        # a closed connection's requests stay the credential's until the reaper takes them
+        with pytest.raises(RemoteError) as exc:
+            await b.plan("p", new("b2"))
+        assert_limit(exc, "max_principal_held_requests", retryable=True)
+        await asyncio.sleep(1.3)  # past the lease: the reaper released a1, a2 (and b0, b1)
+        assert isinstance(await b.plan("p", new("b2")), StepPlan)
+        await b.release("p", ["b2"])

@@ -44,8 +44,8 @@ from cachetier.service.batching import (CommitCoalescer, ConfirmCoalescer, PlanC
                                         ReleaseCoalescer)
 from cachetier.service.fleet import AgentLink, PoolAgents, StepGuard, fence_links, run_copies
 from cachetier.service.handoff import PoolSide, hand_off
-from cachetier.service.limits import (ClientQuota, ServiceLimits, agent_frame_bound, check_size,
-                                      frame_bound)
+from cachetier.service.limits import (ClientQuota, ConnectionShares, PrincipalQuota,
+                                      ServiceLimits, agent_frame_bound, check_size, frame_bound)
 from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.recovery import PoolRecovery
@@ -184,6 +184,7 @@ class CacheTierService:
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
         self._handshaking = 0  # connections whose hello is not accepted yet
+        self._shares = ConnectionShares(settings.limits)
         self._client_bound = _client_bound(settings)
         self._losses: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -281,15 +282,17 @@ class CacheTierService:
         # nothing is buffered or decoded for a peer that has not authenticated beyond a frame
         # that can only be a hello (a 16 MiB one of empty arrays once took the service to 1.5 GB)
         stream = FramedStream(reader, writer, limits.hello_max_frame)
+        share: PrincipalQuota | None = None
+        quota: ClientQuota | None = None
         try:
-            principal = await self._admitted(stream)
+            principal, share = await self._admitted(stream)
             stream.max_frame = self.settings.max_frame
             if principal.role is Role.AGENT:
                 stream.bound = agent_frame_bound(limits)
                 await self._serve_agent(stream, principal)
             else:
                 stream.bound = self._client_bound
-                quota = ClientQuota(limits, self.settings.request_lease_s)
+                quota = ClientQuota(share, self.settings.request_lease_s)
                 await serve_requests(stream, CLIENT_OPS,
                                      functools.partial(self._client_call, principal, quota),
                                      describe, limit=limits.calls_in_flight,
@@ -300,11 +303,16 @@ class CacheTierService:
             pass  # `close()`; ending cancelled would make 3.11's stream callback log an error
         finally:
             self._connections.discard(task)
+            if quota is not None:
+                quota.close()
+            if share is not None:
+                self._shares.leave(share)
             await stream.close()
 
-    async def _admitted(self, stream: FramedStream) -> Principal:
-        """The hello of a connection within the connection limits (`limits`); one past them is
-        answered a retryable `LimitExceeded` and closed before anything is read."""
+    async def _admitted(self, stream: FramedStream) -> tuple[Principal, PrincipalQuota]:
+        """The hello of a connection within the connection limits (`limits`), and its
+        principal's share; one past them is answered a retryable `LimitExceeded` and closed,
+        before anything is read for the connection limits, before the welcome for the share."""
         limits = self.settings.limits
         refusal = None
         if len(self._connections) > limits.max_connections:
@@ -314,6 +322,7 @@ class CacheTierService:
             refusal = LimitExceeded("max_handshaking", f"{limits.max_handshaking} connections "
                                     "not authenticated yet", retryable=True)
         if refusal is not None:
+            self.observer.quota_rejected(None, refusal.limit)
             await send_error(stream, None, refusal, describe)
             raise refusal
         self._handshaking += 1
@@ -322,16 +331,22 @@ class CacheTierService:
         finally:
             self._handshaking -= 1
 
-    async def _handshake(self, stream: FramedStream) -> Principal:
+    async def _handshake(self, stream: FramedStream) -> tuple[Principal, PrincipalQuota]:
         """The first frame must be a hello with our version and a credential for the role it
-        asks; any failure is answered with an error frame and ends the connection."""
+        asks, whose share has room; any failure is answered with an error frame and ends the
+        connection."""
         frame = None
         try:
             frame = await self._first_frame(stream)
             principal = self._check_hello(frame)
-            await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
-                                                                  self.settings.server_id)))
-            return principal
+            share = self._share_of(principal)
+            try:
+                await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
+                                                                      self.settings.server_id)))
+            except BaseException:
+                self._shares.leave(share)
+                raise
+            return principal, share
         except CacheTierError as exc:
             await send_error(stream, request_id(frame), exc, describe)
             raise
@@ -344,6 +359,14 @@ class CacheTierService:
         except TimeoutError:
             raise HandshakeRequired("nothing received within "
                                     f"{self.settings.handshake_timeout_s:g} s") from None
+
+    def _share_of(self, principal: Principal) -> PrincipalQuota:
+        """Count the connection in its principal's share (`limits.ConnectionShares`)."""
+        try:
+            return self._shares.admit(principal, len(self._connections))
+        except LimitExceeded as exc:
+            self.observer.quota_rejected(None, exc.limit)
+            raise
 
     def _check_hello(self, frame: Any) -> Principal:
         if not isinstance(frame, dict) or frame.get("op") != "hello":
