@@ -392,6 +392,18 @@ async def send_aside(url: str, frame: bytes, tmp_path: Path, other: CacheTierCli
     return error, error.pop("read_s"), delays
 
 
+async def stall_ratio(url: str, frame: bytes, tmp_path: Path, other: CacheTierClient,
+                      pace_s: float = 0.0) -> tuple[dict[str, Any], float]:
+    """The frame's error reply, and the longest of `other`'s calls over the frame's read time
+    (`send_aside`): the lesser of two sends, as a loaded host stalls a process now and then for
+    no frame's doing (once in ~20 runs here: 54 ms of CPU in one call)."""
+    ratios = []
+    for _ in range(2):
+        error, read_s, delays = await send_aside(url, frame, tmp_path, other, pace_s)
+        ratios.append(max(delays) / read_s)
+    return error, min(ratios)
+
+
 async def delays_while(other: CacheTierClient, busy: asyncio.Future[Any]) -> list[float]:
     """The loop's CPU seconds during each of `other`'s `health` calls, called back to back until
     `busy` is done: a frame that holds the loop shows as one long call. The loop's thread runs
@@ -441,10 +453,10 @@ async def test_a_large_legal_frame_holds_up_no_other_client(redis, redis_url, tm
     async with running_service(redis_url, limits=WIDE) as service, \
             CacheTierClient(service.url, token=TOKEN, timeout=10) as other:
         await other.health()
-        error, read_s, delays = await send_aside(service.url, frame_bytes(largest_plan(WIDE)),
-                                                 tmp_path, other, pace_s)
+        error, ratio = await stall_ratio(service.url, frame_bytes(largest_plan(WIDE)), tmp_path,
+                                         other, pace_s)
         assert error["code"] == ErrorCode.UNKNOWN_POOL, error  # read, checked, looked up
-        assert max(delays) < 0.25 * read_s, (max(delays), read_s)
+        assert ratio < 0.2, ratio
 
 
 async def test_a_frame_of_countless_objects_is_refused_unbuilt(redis, redis_url, tmp_path):
@@ -461,11 +473,11 @@ async def test_a_frame_of_countless_objects_is_refused_unbuilt(redis, redis_url,
         assert len(body) <= bound.max_bytes
         before = rss_bytes()
         reset_peak_rss()
-        error, read_s, delays = await send_aside(service.url, frame, tmp_path, other)
+        error, ratio = await stall_ratio(service.url, frame, tmp_path, other)
         grown = rss_bytes("VmHWM") - before  # what was built is freed by the time of the reply
         assert error["code"] == ErrorCode.BAD_FRAME, error
         assert f"more than {bound.max_objects} msgpack objects" in error["message"], error
-        assert max(delays) < 0.25 * read_s, (max(delays), read_s)
+        assert ratio < 0.2, ratio
         assert grown < 32 << 20, grown
         assert (await other.health()).redis
 
