@@ -287,7 +287,8 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mqtt", metavar="URL",
                         help="mqtt://HOST:PORT of the broker for cache events and liveness")
     parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES",
-                        help="largest frame accepted (default 64 MiB)")
+                        help="largest frame sent or accepted (default 64 MiB; the service "
+                             "accepts less from clients and agents: its --limit's frame bounds)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     parser.add_argument("--loop", default=DEFAULT_LOOP, choices=LOOPS,
                         help=f"the asyncio event loop (default {DEFAULT_LOOP}; compare them with "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+from typing import Any
 
 import msgpack
 import pytest
@@ -11,7 +13,9 @@ import pytest
 from cachetier.config import PRESETS
 from cachetier.errors import (BadFrame, BadMessage, BrokenStream, ErrorCode, ErrorInfo, PeerClosed,
                               RemoteError, TooLarge, UnknownOp)
-from cachetier.wire.framing import HEADER, Endpoint, FramedStream, encode_frame
+from cachetier.wire.chunked import ChunkedDecoder
+from cachetier.wire.framing import (HEADER, INLINE_BYTES, Endpoint, FrameBound, FramedStream,
+                                    encode_frame)
 from cachetier.wire.protocol import (CLIENT_OPS, Commit, CopyBatch, Plan, PlanReply, Registered,
                                      Reply, error_frame, from_wire, ok_frame, parse_reply,
                                      parse_request, request_frame, request_id, result_of, to_wire)
@@ -57,6 +61,61 @@ async def test_a_bad_length_breaks_the_stream(data):
 
 async def test_a_body_that_is_not_msgpack_costs_only_that_frame():
     stream = stream_of(HEADER.pack(2) + b"\xc1\xc1" + encode_frame("next"))
+    with pytest.raises(BadFrame):
+        await stream.read()
+    assert await stream.read() == "next"
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    """Every msgpack type at sizes around its headers' widths (fix, 8, 16, 32 bits)."""
+    sized = rng.choice([0, 1, 15, 16, 31, 32, 255, 256, 65535, 65536])
+    makers = [lambda: None, lambda: rng.random() < 0.5, lambda: rng.randrange(-2**63, 2**64),
+              lambda: rng.randrange(-40, 300), lambda: rng.random(), lambda: "s" * sized,
+              lambda: b"b" * sized,
+              lambda: msgpack.ExtType(5, b"x" * rng.choice([1, 2, 4, 8, 16, 3, sized])),
+              lambda: [random_value(rng, depth + 1) for _ in range(rng.choice([0, 1, 15, 16, 17]))],
+              lambda: {f"k{i}": random_value(rng, depth + 1)
+                       for i in range(rng.choice([0, 1, 15, 16, 17]))}]
+    return rng.choice(makers[:8] if depth > 2 else makers)()
+
+
+def objects_in(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + sum(map(objects_in, value))
+    if isinstance(value, dict):
+        return 1 + sum(1 + objects_in(v) for v in value.values())
+    return 1
+
+
+def test_a_body_decoded_chunk_by_chunk_is_the_body_decoded_at_once():
+    rng = random.Random(7)
+    for case in range(300):
+        value = random_value(rng)
+        body = msgpack.packb(value, use_bin_type=True)
+        decoder = ChunkedDecoder(len(body), objects_in(value))  # exactly as many objects
+        start = 0
+        while start < len(body):  # cut anywhere: inside headers, strings, numbers
+            step = rng.choice([1, 2, 3, 7, 64, 1000, 65536])
+            decoder.feed(body[start:start + step])
+            start += step
+        assert decoder.value() == msgpack.unpackb(body), case
+        over = ChunkedDecoder(len(body), objects_in(value) - 1)
+        over.feed(body)
+        with pytest.raises(BadFrame, match="more than"):
+            over.value()
+
+
+@pytest.mark.parametrize("body", [
+    msgpack.packb([None] * 20_000),                                   # more objects than bound
+    msgpack.packb([b"x" * INLINE_BYTES]) + b"\xc0",                   # bytes after the message
+    msgpack.packb([b"x" * INLINE_BYTES, 1])[:-1] + b"\xc1",           # a byte msgpack never uses
+    b"\x92" + msgpack.packb(b"x" * INLINE_BYTES),                     # ends inside its message
+    b"\x91\x81\x01" + msgpack.packb(b"x" * INLINE_BYTES),             # a key msgpack refuses
+], ids=["objects", "trailing", "invalid byte", "truncated", "int key"])
+async def test_a_large_body_that_is_no_message_costs_only_that_frame(body):
+    data = HEADER.pack(len(body)) + body + encode_frame("next")
+    stream = stream_of(data, max_frame=1 << 20)
+    stream.bound = FrameBound(1 << 20, 100)
     with pytest.raises(BadFrame):
         await stream.read()
     assert await stream.read() == "next"

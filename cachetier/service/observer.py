@@ -33,8 +33,9 @@ class ServiceObserver:
         or failed with `error`, `seconds` after it was dispatched."""
 
     def quota_rejected(self, pool: str | None, limit: str) -> None:
-        """A request was refused because its client is at `limit` (a quota's name), before any
-        work was done for it."""
+        """A request (or a connection, `pool` None) was refused because its client or its
+        credential is at `limit` (a quota's or a share's name), before any work was done for
+        it."""
 
 
 class ObserverGroup(ServiceObserver):

@@ -45,13 +45,14 @@ from cachetier.service.batching import (CommitCoalescer, ConfirmCoalescer, PlanC
 from cachetier.service.fleet import (AgentLink, PoolAgents, StepGuard, fence_links, run_copies,
                                      step_order)
 from cachetier.service.handoff import PoolSide, hand_off
-from cachetier.service.limits import ClientQuota, ServiceLimits, check_size
+from cachetier.service.limits import (ClientQuota, ConnectionShares, PrincipalQuota,
+                                      ServiceLimits, agent_frame_bound, check_size, frame_bound)
 from cachetier.service.reaper import ReaperSettings, run_reaper
 from cachetier.service.observer import ServiceObserver
 from cachetier.service.ownership import Owner
 from cachetier.service.recovery import PoolRecovery
 from cachetier.wire.channel import Channel, send_error, serve_requests
-from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FramedStream
+from cachetier.wire.framing import DEFAULT_MAX_FRAME, Endpoint, FrameBound, FramedStream
 from cachetier.wire.protocol import (CLIENT_OPS, PROTOCOL_VERSION, Commit, Confirm,
                                      Handoff, HandoffReply, Health, HealthReport, Hello,
                                      Invalidate, Pin,
@@ -132,6 +133,16 @@ class ServiceSettings:
         return ReplicaAcks(acks, self.redis_ack_timeout_ms) if acks else None
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A connection past its hello: who it is, the session its client drew (`ownership`) and
+    its principal's share of the limits (`limits.ConnectionShares`)."""
+
+    principal: Principal
+    session: str
+    share: PrincipalQuota
+
+
 @dataclass(eq=False)
 class _Pool:
     index: PrefixIndex
@@ -187,6 +198,8 @@ class CacheTierService:
         self._pools: dict[str, _Pool] = {}
         self._connections: set[asyncio.Task[None]] = set()
         self._handshaking = 0  # connections whose hello is not accepted yet
+        self._shares = ConnectionShares(settings.limits)
+        self._client_bound = _client_bound(settings)
         self._losses: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._registering = asyncio.Lock()  # registrations are rare: one at a time, all pools
@@ -283,14 +296,19 @@ class CacheTierService:
         # nothing is buffered or decoded for a peer that has not authenticated beyond a frame
         # that can only be a hello (a 16 MiB one of empty arrays once took the service to 1.5 GB)
         stream = FramedStream(reader, writer, limits.hello_max_frame)
+        share: PrincipalQuota | None = None
+        quota: ClientQuota | None = None
         try:
-            principal, session = await self._admitted(stream)
+            admitted = await self._admitted(stream)
+            principal, share = admitted.principal, admitted.share
             stream.max_frame = self.settings.max_frame
             if principal.role is Role.AGENT:
+                stream.bound = agent_frame_bound(limits)
                 await self._serve_agent(stream, principal)
             else:
-                quota = ClientQuota(limits, self.settings.request_lease_s)
-                owner = Owner.of(principal, session, self.settings.secret)
+                stream.bound = self._client_bound
+                quota = ClientQuota(share, self.settings.request_lease_s)
+                owner = Owner.of(principal, admitted.session, self.settings.secret)
                 await serve_requests(stream, CLIENT_OPS,
                                      functools.partial(self._client_call, principal, owner,
                                                        quota),
@@ -302,12 +320,17 @@ class CacheTierService:
             pass  # `close()`; ending cancelled would make 3.11's stream callback log an error
         finally:
             self._connections.discard(task)
+            if quota is not None:
+                quota.close()
+            if share is not None:
+                self._shares.leave(share)
             await stream.close()
 
-    async def _admitted(self, stream: FramedStream) -> tuple[Principal, str]:
-        """The principal and session of a connection's hello, within the connection limits
-        (`limits`); one past them is answered a retryable `LimitExceeded` and closed before
-        anything is read."""
+    async def _admitted(self, stream: FramedStream) -> Admitted:
+        """The hello of a connection within the connection limits (`limits`): its principal,
+        session and principal's share; one past them is answered a retryable `LimitExceeded`
+        and closed, before anything is read for the connection limits, before the welcome for
+        the share."""
         limits = self.settings.limits
         refusal = None
         if len(self._connections) > limits.max_connections:
@@ -317,6 +340,7 @@ class CacheTierService:
             refusal = LimitExceeded("max_handshaking", f"{limits.max_handshaking} connections "
                                     "not authenticated yet", retryable=True)
         if refusal is not None:
+            self.observer.quota_rejected(None, refusal.limit)
             await send_error(stream, None, refusal, describe)
             raise refusal
         self._handshaking += 1
@@ -325,18 +349,24 @@ class CacheTierService:
         finally:
             self._handshaking -= 1
 
-    async def _handshake(self, stream: FramedStream) -> tuple[Principal, str]:
+    async def _handshake(self, stream: FramedStream) -> Admitted:
         """The first frame must be a hello with our version and a credential for the role it
-        asks; any failure is answered with an error frame and ends the connection."""
+        asks, whose share has room; any failure is answered with an error frame and ends the
+        connection."""
         frame = None
         try:
             frame = await self._first_frame(stream)
             hello = self._check_hello(frame)
             principal = verify(self.settings.secret, hello.token)
             access.check_connection(principal, hello.role)
-            await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
-                                                                  self.settings.server_id)))
-            return principal, hello.session
+            share = self._share_of(principal)
+            try:
+                await stream.send(ok_frame(request_id(frame), Welcome(PROTOCOL_VERSION,
+                                                                      self.settings.server_id)))
+            except BaseException:
+                self._shares.leave(share)
+                raise
+            return Admitted(principal, hello.session, share)
         except CacheTierError as exc:
             await send_error(stream, request_id(frame), exc, describe)
             raise
@@ -349,6 +379,14 @@ class CacheTierService:
         except TimeoutError:
             raise HandshakeRequired("nothing received within "
                                     f"{self.settings.handshake_timeout_s:g} s") from None
+
+    def _share_of(self, principal: Principal) -> PrincipalQuota:
+        """Count the connection in its principal's share (`limits.ConnectionShares`)."""
+        try:
+            return self._shares.admit(principal, len(self._connections))
+        except LimitExceeded as exc:
+            self.observer.quota_rejected(None, exc.limit)
+            raise
 
     @staticmethod
     def _check_hello(frame: Any) -> Hello:
@@ -662,6 +700,12 @@ class CacheTierService:
         recovering = sorted(name for name, s in self._pools.items() if s.recovery.recovering)
         return HealthReport(self.settings.server_id, PROTOCOL_VERSION, redis_ok, pools,
                             recovering)
+
+
+def _client_bound(settings: ServiceSettings) -> FrameBound:
+    """A client's frames after its hello (`limits.frame_bound`), within `max_frame`."""
+    bound = frame_bound(settings.limits, [settings.config, *settings.pool_configs.values()])
+    return FrameBound(min(bound.max_bytes, settings.max_frame), bound.max_objects)
 
 
 async def _retry_if_stale(call: Callable[[], Awaitable[T]]) -> T:

@@ -1,9 +1,12 @@
 """Length-prefixed msgpack frames over asyncio streams, and the URLs that name a stream.
 
 A frame is a 4-byte big-endian body length followed by that many bytes of msgpack. The length is
-checked before the body is read, so a peer can never make us buffer more than `max_frame` bytes.
-A bad length leaves the stream out of step, so the reader gives up on the connection
-(`BrokenStream`); a well-framed body that is not msgpack only costs that one frame (`BadFrame`).
+checked before the body is read, so a peer can never make us buffer more than the read bound's
+bytes (`FrameBound`: `max_frame` unless the owner sets a tighter one). A bad length leaves the
+stream out of step, so the reader gives up on the connection (`BrokenStream`); a well-framed body
+that is not msgpack, or holds more objects than the bound, only costs that one frame (`BadFrame`).
+A body over `INLINE_BYTES` is read and decoded a chunk at a time (`chunked`), the event loop free
+between chunks, so a large frame never holds up the other connections for long.
 """
 
 from __future__ import annotations
@@ -21,9 +24,24 @@ from urllib.parse import parse_qs, quote, urlsplit
 import msgpack
 
 from cachetier.errors import BadFrame, BrokenStream, PeerClosed, TooLarge
+from cachetier.wire.chunked import ChunkedDecoder
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 64 * 2**20
+# A body this small is decoded in one go: whatever it holds costs little (16 Ki empty maps, the
+# worst, decode in ~2 ms into ~1 MB); larger ones a chunk at a time, awaiting between chunks.
+INLINE_BYTES = 16 << 10
+CHUNK_BYTES = 64 << 10  # asyncio's stream reader limit (it pauses the socket at twice this)
+
+
+@dataclass(frozen=True)
+class FrameBound:
+    """The most one frame read may hold: `max_bytes` of body (checked on its header, before a
+    byte of the body is read) and, for a body over `INLINE_BYTES`, `max_objects` msgpack objects
+    (maps, arrays and scalars, keys included; counted before any is built; None: not counted)."""
+
+    max_bytes: int
+    max_objects: int | None = None
 
 
 def encode_frame(message: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -43,13 +61,19 @@ def decode_body(body: bytes) -> Any:
 
 
 class FramedStream:
-    """A connection that reads and writes whole frames; reads are bounded by `max_frame`."""
+    """A connection that reads and writes whole frames: sends are bounded by `max_frame`, reads
+    by `bound` (None: `max_frame` bytes, objects not counted)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, bound: FrameBound | None = None) -> None:
         self.reader = reader
         self.writer = writer
         self.max_frame = max_frame
+        self.bound = bound
+
+    @property
+    def read_bound(self) -> FrameBound:
+        return self.bound or FrameBound(self.max_frame)
 
     async def read(self) -> Any:
         """The next frame's decoded body; `PeerClosed` when the peer closed between frames."""
@@ -60,13 +84,30 @@ class FramedStream:
                 raise PeerClosed("the peer closed the connection") from None
             raise BrokenStream("connection closed inside a frame header") from None
         (size,) = HEADER.unpack(header)
-        if not 0 < size <= self.max_frame:
-            raise BrokenStream(f"frame length {size} outside 1..{self.max_frame}")
+        bound = self.read_bound
+        if not 0 < size <= bound.max_bytes:
+            raise BrokenStream(f"frame length {size} outside 1..{bound.max_bytes}")
+        if size <= INLINE_BYTES:
+            return decode_body(await self._exactly(size, size))
+        return await self._read_chunked(size, bound.max_objects)
+
+    async def _read_chunked(self, size: int, max_objects: int | None) -> Any:
+        """A large body, a chunk at a time (see the module docstring): each chunk is counted and
+        decoded as it arrives, then the loop serves the others before the next one."""
+        decoder = ChunkedDecoder(size, max_objects)
+        left = size
+        while left:
+            chunk = await self._exactly(min(CHUNK_BYTES, left), size)
+            decoder.feed(chunk)
+            left -= len(chunk)
+            await asyncio.sleep(0)  # the chunk may have been buffered already: yield anyway
+        return decoder.value()
+
+    async def _exactly(self, n: int, size: int) -> bytes:
         try:
-            body = await self.reader.readexactly(size)
+            return await self.reader.readexactly(n)
         except asyncio.IncompleteReadError:
             raise BrokenStream(f"connection closed inside a {size}-byte frame") from None
-        return decode_body(body)
 
     async def send(self, message: Any) -> None:
         """Write one frame; a message over the limit raises `TooLarge` and writes nothing."""
