@@ -97,12 +97,14 @@ async def test_a_scheduler_killed_between_plan_and_release_leaks_nothing_after_i
 
 
 async def test_a_request_that_keeps_stepping_keeps_its_lease(redis, redis_url):
-    async with running_service(redis_url, request_lease_s=0.4, reaper=FAST) as service, \
+    async with running_service(redis_url, request_lease_s=1.0, reaper=FAST) as service, \
             running_agent(service.url), CacheTierClient(service.url, token=TOKEN) as tier:
         tokens = DOC[:160]
         step = only(await tier.plan("p", [new_request("slow", tokens, 16, BLOCK)]))
-        while step.stop < len(tokens):  # a step every 0.15 s for about 1.5 s: three leases
-            await asyncio.sleep(0.15)
+        # a step every 0.25 s for about 2.5 s: two and a half leases, with 0.75 s of slack
+        # for a loaded host between two steps (0.25 s of slack was short on one)
+        while step.stop < len(tokens):
+            await asyncio.sleep(0.25)
             done = await tier.commit("p", [commit_item(step, step.stop, True, True, BLOCK)])
             await tier.confirm("p", done.ticket)
             step = only(await tier.plan("p", [StepRequest("slow", 16)]))
