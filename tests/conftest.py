@@ -31,6 +31,15 @@ from index.redis_link import packing_with_hiredis
 from tests.cluster_harness import REDIS_ACL, TOKEN, as_service_user, running_agent, running_service
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The connector's tests (`test_vllm_*.py`) and any test taking the tiny vLLM model run
+    vLLM: they are the `vllm` lane."""
+    for item in items:
+        if item.path.name.startswith("test_vllm_") or \
+                "model_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3-Next the vLLM tests serve, written once per session."""

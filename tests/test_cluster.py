@@ -21,6 +21,8 @@ import redis
 
 from tests.up_harness import UP, children, running, wait_for_line
 
+pytestmark = pytest.mark.slow  # `up` and `demo` as processes
+
 DEMO = [sys.executable, "-m", "cachetier.cli", "demo"]
 SESSIONS = 2
 TURNS = 3

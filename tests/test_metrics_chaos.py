@@ -24,6 +24,8 @@ from cachetier.run.chaos import KINDS, Campaign, ChaosOptions
 from cachetier.run.cluster import POOL, Cluster, ClusterSettings
 from cachetier.run.demo import DemoOptions, _serve
 
+pytestmark = pytest.mark.slow  # a campaign of faults
+
 AGENTS = 2
 COPY_TIMEOUT_S = 1.0
 LEASE_S = 1.0  # the chaos kind `lease_expiry` stalls a scheduler past it

@@ -14,7 +14,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.up_harness import UP, wait_for_line
+
+pytestmark = pytest.mark.slow  # `up` as processes
 
 LONG_STEPS = """
 import asyncio, json, os, sys

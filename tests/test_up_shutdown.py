@@ -20,6 +20,8 @@ import pytest
 
 from tests.up_harness import children, running
 
+pytestmark = pytest.mark.slow  # `up` as processes, signalled
+
 UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0", "--agents", "1"]
 READY_S = 120  # `up --vllm-model` imports vLLM: ~35 s on an idle 2-core host
 STOP_S = 30  # `up` stops each child with SIGTERM, then SIGKILL after 5 s
