@@ -6,9 +6,10 @@ of the hit's last block, made on the worker by `copy_kv_cache_blocks_inplace`
 byte (`data_ptr`) and copies only the first view that starts at a given byte. A hybrid's cache
 groups overlay one tensor per layer slot, and the GDN state view (268,288 bytes of the tiny
 Qwen3-Next's 294,912-byte block) comes before the attention view that starts at the same byte: the
-attention block is copied only as far as the state reaches, the rest of the copy keeps the zeros of
-the fresh block, and every mid-block local hit then reads wrong attention rows. A tensor holding a
-single layer slot (one layer per group) escapes: vLLM copies its storage's whole blocks instead.
+attention block is copied only as far as the state reaches and the rest of the copy keeps the zeros
+of the fresh block: a local hit deep enough into a block reads them (in vLLM's CPU layout, one KV
+head's V rows from token 736 of the tiny model's block on). A tensor holding a single layer slot
+(one layer per group) escapes: vLLM copies its storage's whole blocks instead.
 `docs/vllm-cow-bug.md` is the report for upstream.
 
 `protect` decides at the connector's start, in each worker, from the behaviour of the installed
@@ -50,7 +51,8 @@ class CowCorrection:
     """vLLM's copy, then the views it skipped: a view that starts at the byte an earlier view of
     another layout starts at, in a tensor whose blocks vLLM does not copy whole (it does when the
     storage is one layer slot: its block stride times the blocks is the storage). Counts the
-    block copies it completed and their seconds, for the connector's report."""
+    block copies it completed and their seconds (on CUDA, the time to queue them), for the
+    connector's report."""
 
     def __init__(self, original: Callable[..., None]) -> None:
         self.original = original
@@ -59,13 +61,13 @@ class CowCorrection:
 
     def __call__(self, kv_caches: Iterable[torch.Tensor], num_blocks: int,
                  kv_cache_block_copies: Sequence[Any]) -> None:
-        kv_caches = list(kv_caches)
-        self.original(kv_caches, num_blocks, kv_cache_block_copies)
+        views = list(kv_caches)
+        self.original(views, num_blocks, kv_cache_block_copies)
         if not kv_cache_block_copies:
             return
         begin = time.perf_counter()
         pairs = torch.tensor([tuple(c) for c in kv_cache_block_copies], dtype=torch.int64)
-        for view in skipped_views(kv_caches, num_blocks):
+        for view in skipped_views(views, num_blocks):
             src, dst = pairs.to(view.device).unbind(dim=1)
             blocks = view.unflatten(0, (num_blocks, view.shape[0] // num_blocks))
             blocks[dst] = blocks[src]
