@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from cachetier.vllm.oracle import compare
@@ -72,3 +73,12 @@ def test_tool_outputs_lengthen_every_later_turn_within_their_bounds() -> None:
         growth = [tools[f"s{session}-t{t}"] - tools[f"s{session}-t{t - 1}"] for t in (1, 2)]
         low, high = 64 + 150 + 400, 64 + 500 + 600  # answer + user message + tool output
         assert all(low <= g <= high for g in growth), growth
+
+
+def test_resends_repeat_every_session_s_last_turn_on_the_engine_that_served_it() -> None:
+    spec = WorkloadSpec(engines=2, sessions=3, forks=1, turns=3)
+    plain, resent = build(spec), build(dataclasses.replace(spec, resends=True))
+    assert resent[:-1] == plain
+    assert [(r.rid, r.prompt, r.engine) for r in resent[-1]] == [
+        (f"{r.rid}-resend", r.prompt, r.engine) for r in plain[-1]]
+    assert {r.round for r in resent[-1]} == {3} and len(resent[-1]) == 4  # forks included

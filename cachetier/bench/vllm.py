@@ -14,6 +14,12 @@ Figures: `hit_tokens_local` and `hit_tokens_cachetier` sum vLLM's `num_cached_to
 external hits) over the requests of runs 2 and 1; `oracle_hit_tokens` is the workload's ideal at
 the pool's hash-block granularity (every shared prefix reused at its deepest hash-block boundary),
 `oracle_hit_tokens_fine` the same ideal at 128 tokens (what a finer unit would add).
+`mismatches` and `local_mismatches` count the outputs of runs 1 and 2 the oracle rejects,
+`token_mismatches` and `local_token_mismatches` those whose token ids are not the cold engine's
+(ties the oracle accepts included): on vLLM 0.32.0 a local hit inside a block of a model with two
+layers per group or more (`--hybrid-blocks 2`; `--resends` adds such hits) is served from a
+truncated copy by vLLM alone and completed in the connector's engines (`cachetier.vllm.cow`:
+`cow_copies` block copies completed in run 1, in `cow_ms`).
 `connector_ms_per_step` is the scheduler-side connector's time (its
 lookups, pins, save planning and releases, measured inside the engine) per engine step, against
 `step_ms`, the engines' wall time per step; `restore_ms` the workers' copies from the pool into
@@ -52,10 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=WorkloadSpec.tool_tokens, metavar="LO,HI",
                         help="a tool output of LO..HI tokens in every later turn (an agent "
                              "reading files or search results; default 1000,2500; 0,0: none)")
+    parser.add_argument("--resends", action="store_true",
+                        help="a last round resending every session's last turn to the engine "
+                             "that served it (a regenerate: local hits at prompt tails, inside "
+                             "blocks)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, help="model directory (default: the tiny Qwen3-Next "
                                                    "with random weights, written to a temp dir)")
+    parser.add_argument("--hybrid-blocks", type=int, default=1, metavar="N",
+                        help="the tiny model's (3 GDN + 1 attention) blocks (1); from 2 on, vLLM "
+                             "0.32's copy of a mid-block local hit is truncated "
+                             "(cachetier.vllm.cow): local_mismatches shows it")
     parser.add_argument("--hash-unit", type=int, metavar="TOKENS",
                         help="the hash unit (vLLM's prefix_match_unit): a divisor of vLLM's "
                              f"attention block (default {FINE_HASH_UNIT}, which serves prompt "
@@ -83,10 +97,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.engines < 1:
         raise SystemExit("cachetier bench vllm: --engines must be at least 1")
     spec = WorkloadSpec(engines=args.engines, sessions=args.sessions, forks=args.forks,
-                        turns=args.turns, tool_tokens=args.tool_tokens, seed=args.seed)
+                        turns=args.turns, tool_tokens=args.tool_tokens, seed=args.seed,
+                        resends=args.resends)
     rounds = build(spec)
     with _work_dir(args.work_dir) as workdir:
-        model = args.model or write_tiny_qwen3_next(workdir / "model")
+        model = args.model or write_tiny_qwen3_next(workdir / "model",
+                                                    hybrid_blocks=args.hybrid_blocks)
         settings = vllm_cluster_settings(model, run_dir=workdir / "cluster", port=0,
                                          pool_pages=1024, hash_unit=args.hash_unit)
         capacity = _capacity(args, rounds)
@@ -111,7 +127,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 {"tier": tiered, "local": local, "cold": cold}))
         return {**_figures(spec, settings.config.cache.hash_block_tokens, rounds, tiered, local,
                            cold, time.perf_counter() - started),
-                "engine_blocks": args.engine_blocks, "tool_tokens": list(args.tool_tokens)}
+                "engine_blocks": args.engine_blocks, "tool_tokens": list(args.tool_tokens),
+                "hybrid_blocks": None if args.model else args.hybrid_blocks,
+                "resends": args.resends}
 
 
 def _capacity(args: argparse.Namespace, rounds: list[list[Request]]) -> dict[str, Any]:
@@ -176,6 +194,7 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
     fine = sum(oracle_hit_tokens(rounds, min(hash_unit, FINE_HASH_UNIT)).values())
     served = tiered["requests"]
     verdicts = [compare(served[r.rid], cold["requests"][r.rid]) for r in requests]
+    local_verdicts = [compare(local["requests"][r.rid], cold["requests"][r.rid]) for r in requests]
     reports = [served[r.rid]["connector"] for r in requests]
     engine_totals = _engine_totals(reports)
     steps = sum(t["cachetier_steps"] for t in engine_totals) or 1
@@ -192,6 +211,14 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
         "oracle_hit_tokens": oracle,
         "oracle_hit_tokens_fine": fine,
         "mismatches": sum(not v.ok for v in verdicts),
+        # vLLM's local cache alone, by the same oracle: its mid-block copies are not whole on
+        # vLLM 0.32 (`cachetier.vllm.cow`), which the connector's engines complete
+        "local_mismatches": sum(not v.ok for v in local_verdicts),
+        "token_mismatches": _token_mismatches(served, cold["requests"], requests),
+        "local_token_mismatches": _token_mismatches(local["requests"], cold["requests"], requests),
+        "local_max_logprob_delta": round(max(v.max_delta for v in local_verdicts), 4),
+        "cow_copies": sum(t["cachetier_cow_copies"] for t in engine_totals),
+        "cow_ms": round(sum(t["cachetier_cow_ms"] for t in engine_totals), 2),
         "oracle_ties": sum(v.outcome == "tie" for v in verdicts),
         "max_logprob_delta": round(max(v.max_delta for v in verdicts), 4),
         "connector_ms_per_step": round(connector_ms / steps, 3),
@@ -213,6 +240,12 @@ def _figures(spec: WorkloadSpec, hash_unit: int, rounds: list[list[Request]],
                           "local": round(local["seconds"], 2)},
         "seconds": round(seconds, 1),
     }
+
+
+def _token_mismatches(served: dict[str, Any], cold: dict[str, Any],
+                      requests: list[Request]) -> int:
+    """Requests whose greedy token ids are not the cold engine's."""
+    return sum(served[r.rid]["token_ids"] != cold[r.rid]["token_ids"] for r in requests)
 
 
 def _engine_totals(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:

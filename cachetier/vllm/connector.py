@@ -13,7 +13,9 @@ parallel degree: each rank's worker maps its own rank's agent, `ranks`), prefix 
 cached prefix), a hybrid's mamba cache mode other than align (the saves need vLLM's boundary
 states), or, on CPU, a GQA kernel whose block layout the copies do not read
 (`kv_copy.CPU_ATTENTION_ISAS`: vec, vec16 and amx, which packs K and V in tiles; the worker views
-its blocks by the kernel the engine picked).
+its blocks by the kernel the engine picked). Each worker also completes vLLM 0.32's copy-on-write
+of mid-block local hits, which leaves part of a hybrid's attention block behind, and refuses a
+vLLM whose copy it cannot vouch for (`cow`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from cachetier.config import Config
+from cachetier.vllm.cow import CowCorrection, protect
 from cachetier.vllm.geometry import (GeometryMismatch, geometry_differences, model_fingerprint,
                                      model_spec_from_vllm)
 from cachetier.vllm.jobs import CacheTierMetadata, WorkerReport
@@ -53,6 +56,7 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
         config, attention_isa = _checked_config(settings, vllm_config, kv_cache_config)
         groups = ["linear" if isinstance(g.kv_cache_spec, MambaSpec) else "full"
                   for g in kv_cache_config.kv_cache_groups]
+        cow = None if role == KVConnectorRole.SCHEDULER else self._protect_copy_on_write(config)
         self._tier = TierThread(settings.service, settings.token, timeout_s=settings.timeout_s)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
@@ -63,7 +67,13 @@ class CacheTierConnector(KVConnectorBase_V1, SupportsHMA):
                                            [list(g.layer_names)
                                             for g in kv_cache_config.kv_cache_groups],
                                            self._tier, engine_ranks(config.model.tp_degree),
-                                           attention_isa)
+                                           attention_isa, cow)
+
+    def _protect_copy_on_write(self, config: Config) -> CowCorrection | None:
+        """vLLM's own copies of mid-block local hits, completed where they are not whole
+        (`cow.protect`, which refuses a vLLM it cannot vouch for): this engine's local hits are
+        served, and saved into the tier, as computed."""
+        return protect(config.cache.hash_block_tokens, config.cache.page_tokens)
 
     # -- worker side -------------------------------------------------------------------------------
 

@@ -54,9 +54,12 @@ class WorkerReport(KVConnectorWorkerMetadata):
     save_ms: float = 0.0
     failed_loads: int = 0
     failed_saves: int = 0
+    cow_copies: int = 0  # vLLM's mid-block block copies the connector completed (`cow`)
+    cow_ms: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         assert isinstance(other, WorkerReport)
         return WorkerReport(self.restore_ms + other.restore_ms, self.save_ms + other.save_ms,
                             self.failed_loads + other.failed_loads,
-                            self.failed_saves + other.failed_saves)
+                            self.failed_saves + other.failed_saves,
+                            self.cow_copies + other.cow_copies, self.cow_ms + other.cow_ms)

@@ -243,6 +243,8 @@ class ConnectorScheduler:
                 "cachetier_save_ms": round(self.workers.save_ms, 3),
                 "cachetier_failed_loads": self.workers.failed_loads,
                 "cachetier_failed_saves": self.workers.failed_saves,
+                "cachetier_cow_copies": self.workers.cow_copies,
+                "cachetier_cow_ms": round(self.workers.cow_ms, 3),
                 "cachetier_lookups": self.lookups,
                 "cachetier_lookup_failures": self.lookup_failures}
 

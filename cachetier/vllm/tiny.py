@@ -32,19 +32,24 @@ LONG_MEMORY_A_LOG = -4.0
 LONG_MEMORY_DT_BIAS = -2.0
 
 
-def write_tiny_qwen3_next(path: str | Path, *, seed: int = 0, std: float = 0.07) -> Path:
-    """Write the model to `path` (config.json + safetensors), unless the same seed is there."""
+def write_tiny_qwen3_next(path: str | Path, *, seed: int = 0, std: float = 0.07,
+                          hybrid_blocks: int = 1) -> Path:
+    """Write the model to `path` (config.json + safetensors), unless the same one is there.
+    `hybrid_blocks` stacks that many (3 GDN + 1 attention) blocks: with 2 or more, vLLM lays each
+    group's layers out in several layer slots of one tensor, the layout its copy-on-write of a
+    mid-block hit gets wrong (`cachetier.vllm.cow`); one block never shows it."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     path = Path(path)
     stamp = path / "cachetier-tiny.json"
+    arch = _stacked(TINY_ARCH, hybrid_blocks)
     wanted = {"seed": seed, "std": std, "a_log": LONG_MEMORY_A_LOG,
-              "dt_bias": LONG_MEMORY_DT_BIAS, **TINY_ARCH}
+              "dt_bias": LONG_MEMORY_DT_BIAS, **arch}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return path
     generator = torch.Generator().manual_seed(seed)
-    config = Qwen3NextConfig(**TINY_ARCH, torch_dtype="bfloat16")
+    config = Qwen3NextConfig(**arch, torch_dtype="bfloat16")
     model = Qwen3NextForCausalLM(config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -56,6 +61,14 @@ def write_tiny_qwen3_next(path: str | Path, *, seed: int = 0, std: float = 0.07)
     model.to(torch.bfloat16).save_pretrained(path)
     stamp.write_text(json.dumps(wanted))
     return path
+
+
+def _stacked(arch: dict[str, object], blocks: int) -> dict[str, object]:
+    """`arch` with its layers repeated `blocks` times."""
+    if blocks < 1:
+        raise ValueError(f"hybrid_blocks: at least 1, got {blocks}")
+    layer_types = list(arch["layer_types"]) * blocks  # type: ignore[call-overload]
+    return {**arch, "num_hidden_layers": len(layer_types), "layer_types": layer_types}
 
 
 # Full-attention models: 2 layers, hidden 128. The GQA one has the hybrid's attention (2 KV heads

@@ -38,6 +38,7 @@ import torch
 
 from cachetier.config import Config
 from cachetier.engine.checkpoint_placement import PLACEMENTS
+from cachetier.vllm.cow import CowCorrection
 from cachetier.vllm.jobs import CacheTierMetadata, LoadJob, SaveJob, WorkerReport
 from cachetier.vllm.kv_copy import (AttentionViews, StateViews, TokenRows, engine_attention_views,
                                     engine_state_views, finish_copies, load_rows, load_states,
@@ -69,7 +70,7 @@ def read_handle(path: str) -> tuple[PoolHandle, tuple[int, int]]:
 class ConnectorWorker:
     def __init__(self, settings: ConnectorSettings, config: Config, groups: list[str],
                  layer_names: list[list[str]], tier: TierThread, ranks: Ranks,
-                 attention_isa: str | None = None) -> None:
+                 attention_isa: str | None = None, cow: CowCorrection | None = None) -> None:
         self.settings = settings
         self.config = config
         self.groups = groups
@@ -77,6 +78,7 @@ class ConnectorWorker:
         self.tier = tier
         self.ranks = ranks
         self.attention_isa = attention_isa  # vLLM's CPU attention kernel: its block layout
+        self.cow = cow  # the correction of vLLM's mid-block copies in this process, if any
         self.placement = PLACEMENTS[settings.placement]
         self.block_tokens = config.cache.page_tokens  # vLLM's block (the alignment rule)
         self._engine_attention: dict[int, list[AttentionViews]] = {}
@@ -187,6 +189,9 @@ class ConnectorWorker:
 
     def take_report(self) -> WorkerReport:
         report, self._report = self._report, WorkerReport()
+        if self.cow is not None:
+            report.cow_copies, seconds = self.cow.take()
+            report.cow_ms = 1000 * seconds
         return report
 
     # -- saves: after the forward pass ------------------------------------------------------------

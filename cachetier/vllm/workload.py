@@ -8,7 +8,9 @@ turn (a retry or a parallel tool call): their first prompt is that turn's prompt
 Requests are sent in rounds, round `t` carrying every session's turn `t`, and routed round-robin:
 session `s` goes to engine `(s + t) % K` in round `t`, so a session's successive turns land on
 different engines and each round spreads the sessions evenly; each engine gets its share of a round
-as one batch.
+as one batch. With `resends`, a last round sends every session's last turn again to the engine that
+served it (a regenerate): each resend resumes from that engine's own cache at the prompt's tail,
+inside a block unless the tail is a block end.
 
 `oracle_hit_tokens` is the ideal reuse at the tier's hash-block granularity: every request reuses
 its longest prefix shared with any request routed before it, at the deepest hash-block boundary
@@ -35,6 +37,7 @@ class WorkloadSpec:
     tool_tokens: tuple[int, int] = (1000, 2500)  # (0, 0): none
     vocab: int = 512
     seed: int = 0
+    resends: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ def build(spec: WorkloadSpec) -> list[list[Request]]:
                 batch.append(Request(f"s{s}-t{turn}", prompts[index], turn,
                                      (s + turn) % spec.engines))
         rounds.append(batch)
+    if spec.resends:
+        rounds.append([Request(f"{r.rid}-resend", r.prompt, spec.turns, r.engine)
+                       for r in rounds[-1]])
     return rounds
 
 
