@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.up_harness import UP, children, running, wait_for_line
+from tests.up_harness import UP, children, ready_up, running, wait_for_line
 
 pytestmark = pytest.mark.slow  # `up` and `demo` as processes
 
@@ -131,17 +131,10 @@ def check_secret_stays_private(run_dir: Path, pids: dict[str, int], up_pid: int,
 
 def test_a_dead_agent_stops_the_cluster_without_orphans(tmp_path):
     run_dir, console = tmp_path / "run", tmp_path / "console.txt"
-    with open(console, "wb") as out:
-        proc = subprocess.Popen([*UP, "--agents", "1", "--run-dir", str(run_dir)], stdout=out,
-                                stderr=out)
-    try:
-        wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
+    with ready_up(run_dir, console, "--agents", "1") as proc:
         pids = children(run_dir)
         os.kill(pids["agent-0"], signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
-    finally:
-        proc.kill()
-        proc.wait()
     assert "agent-0 exited with code -9" in console.read_text()
     assert not [name for name, pid in pids.items() if running(pid)]
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.up_harness import UP, wait_for_line
+from tests.up_harness import ready_up
 
 pytestmark = pytest.mark.slow  # `up` as processes
 
@@ -70,12 +70,8 @@ def test_up_plans_a_million_token_prompt_and_a_step_of_a_thousand_new_blocks(tmp
     """Through `up`'s own service user: one tiny prompt of 1,100 new hash blocks, a batch of 48
     requests of 22 blocks (1,056) in one step, and a 1M-token `kimi-k3` prompt (2,048 blocks,
     32 KiB of hashes) planned on its index directly; each is staged, none is refused."""
-    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
-    with open(console, "wb") as out:
-        proc = subprocess.Popen([*UP, "--agents", "1", "--run-dir", str(run_dir)], stdout=out,
-                                stderr=out)
-    try:
-        wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
+    run_dir = tmp_path / "run"
+    with ready_up(run_dir, tmp_path / "console.txt", "--agents", "1") as proc:
         addresses = json.loads((run_dir / "cluster.json").read_text())
         credentials = run_dir / "credentials"
         done = subprocess.run(
@@ -88,7 +84,4 @@ def test_up_plans_a_million_token_prompt_and_a_step_of_a_thousand_new_blocks(tmp
         assert json.loads(done.stdout) == [1, 48, 1]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.wait()
     assert "Traceback" not in (run_dir / "service.log").read_text()

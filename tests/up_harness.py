@@ -3,11 +3,13 @@ waiting for a line of its console."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 UP = [sys.executable, "-m", "cachetier.cli", "up", "--port", "0"]
@@ -24,6 +26,21 @@ def running(pid: int) -> bool:
 
 def children(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "pids.json").read_text())
+
+
+@contextlib.contextmanager
+def ready_up(run_dir: Path, console: Path, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`up FLAGS --run-dir RUN_DIR` until ready, its output in `console`; killed at the end if
+    the block did not stop it."""
+    with open(console, "wb") as out:
+        proc = subprocess.Popen([*UP, *flags, "--run-dir", str(run_dir)], stdout=out,
+                                stderr=out)
+    try:
+        wait_for_line(console, r"ready; Ctrl-C to stop$", proc, 90)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes],
