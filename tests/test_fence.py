@@ -353,6 +353,9 @@ async def test_a_writer_leaving_within_the_fence_wait_is_waited_for_in_place(ser
 # reaper had freed and the next step had handed to another request.
 
 REAP_FAST = ReaperSettings(every_s=0.05)
+# a zombie's lease, reaped within the tests' wait; longer than a plan that waits the fence out
+# (a plan outliving its own lease is reaped before its confirm)
+LEASE_S = 1.0
 
 
 def test_runs_are_the_sorted_consecutive_stretches():
@@ -429,7 +432,7 @@ async def test_a_pass_that_outlived_its_lease_is_refused_on_the_pages_handed_on(
     """The zombie's scheduler stalls past its lease: the reaper releases it and frees its pages,
     the next step hands them to `fresh` (same epoch), whose pass and commit complete; the
     zombie's late pass is then refused, and hits on `fresh`'s prefix read its bytes only."""
-    async with running_service(redis_url, request_lease_s=0.3, reaper=REAP_FAST) as service, \
+    async with running_service(redis_url, request_lease_s=LEASE_S, reaper=REAP_FAST) as service, \
             running_agent(service.url) as agent, \
             CacheTierClient(service.url, token=TOKEN, timeout=10) as tier:
         view = PagedPool.attach(agent.handle())
@@ -466,7 +469,7 @@ async def test_a_hung_late_writer_costs_a_retryable_step_and_an_epoch_not_a_wron
     """The zombie hangs in its section over pages the next step claims: the claim stalls past
     the agent's wait, the step is refused (retryable) and the pool starts a new epoch, which
     moves it to new memory away from the holder; planning again then succeeds."""
-    async with running_service(redis_url, request_lease_s=0.3, reaper=REAP_FAST) as service, \
+    async with running_service(redis_url, request_lease_s=LEASE_S, reaper=REAP_FAST) as service, \
             running_agent(service.url, fence_wait_s=0.3) as agent, \
             CacheTierClient(service.url, token=TOKEN, timeout=20) as tier:
         planned = await tier.plan("p", [new_request("zombie", ZOMBIE, len(ZOMBIE), BLOCK)])
