@@ -14,6 +14,12 @@ timeout, again at every bump after. Replayed with the holder in a process of its
 waits the agent's `fence_wait_s` only and moves the pool to new memory; the holder's write in
 progress lands in the old memory, none of it in the bytes a hit of the new epoch reads, and its
 next write is refused. A writer that leaves within the wait is still waited for, in place.
+
+The fence per request (`gpu_pool.claims`; issue 34, finding 2): a pass that outlived its
+request's lease wrote, still in its plan's epoch, into pages the reaper had freed and the next
+step had handed to another request. Replayed with the service's reaper: the late pass is refused
+on the pages handed on, a claim waits for a writer in its pages, and a hung one costs a retryable
+step and a new epoch, never a wrong hit.
 """
 
 from __future__ import annotations
@@ -346,11 +352,6 @@ async def test_a_writer_leaving_within_the_fence_wait_is_waited_for_in_place(ser
         with pytest.raises(StaleOrder, match="fenced at epoch 4"), view.writing(3, 0, []):
             pytest.fail("a writer of a fenced-off epoch entered its section")
 
-
-# The fence per request (`gpu_pool.claims`): a write planned for a request that is over is
-# refused once its pages are handed to another step, in the same epoch. The red-team finding:
-# a pass that outlived its request's lease wrote, still in its plan's epoch, into pages the
-# reaper had freed and the next step had handed to another request.
 
 REAP_FAST = ReaperSettings(every_s=0.05)
 # a zombie's lease, reaped within the tests' wait; longer than a plan that waits the fence out

@@ -227,7 +227,7 @@ class Campaign:
         tokens = self.rng.choice(self.shape.docs)[:3 * self.shape.block] + [self.late_writers]
         outcome = await late_write(tier, self.workers, self.shape,
                                    f"chaos-late-{self.late_writers}", tokens,
-                                   self.options.lease_s + 1.5)
+                                   self.options.lease_s + 1.5, self.tally)
         if outcome == "refused":
             self.report.late_writes_refused += 1
         elif outcome == "landed":

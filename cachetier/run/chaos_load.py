@@ -211,7 +211,7 @@ async def one_request(tier: CacheTierClient, workers: Workers, shape: LoadShape,
 
 
 async def late_write(tier: CacheTierClient, workers: Workers, shape: LoadShape, rid: str,
-                     tokens: list[int], stall_s: float) -> str:
+                     tokens: list[int], stall_s: float, tally: Tally) -> str:
     """Plan `rid`, stall `stall_s` (past its lease: the reaper releases it and the load's steps
     may take its pages), then run its pass: "refused" (`StaleOrder`: some page was handed on),
     "landed" (none was: nobody reads those bytes as valid) or "skipped" (not planned, or the
@@ -232,8 +232,8 @@ async def late_write(tier: CacheTierClient, workers: Workers, shape: LoadShape, 
     except StaleOrder:
         moved = any(view.fence.epoch() != plan.epoch for view in views)
         return "skipped" if moved else "refused"
-    finally:
-        await tier.release(shape.pool, [rid])  # reaped already, unless the reaper was late
+    finally:  # reaped already, unless the reaper was late
+        await release_for_sure(tier, shape.pool, rid, tally.failed, _RELEASE_TIMEOUT_S)
     return "landed"
 
 
